@@ -1,0 +1,3 @@
+from gcache.cli import main
+
+raise SystemExit(main())

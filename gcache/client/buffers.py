@@ -1,0 +1,45 @@
+"""Caller buffers as flat byte memoryviews, without copying.
+
+Accepts anything with the buffer protocol (bytes, bytearray, memoryview, mmap, numpy arrays)
+and CPU torch tensors. Non-contiguous arrays are refused: copying them silently would hide a
+cost the caller should see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _torch_view(obj: Any) -> memoryview | None:
+    mod = type(obj).__module__
+    if not mod.startswith("torch"):
+        return None
+    if obj.device.type != "cpu":
+        raise TypeError(f"a {obj.device.type} tensor needs the GPU staging path; pass a CPU tensor")
+    if not obj.is_contiguous():
+        raise ValueError("tensor is not contiguous; call .contiguous() first")
+    flat = obj.detach().reshape(-1)
+    return memoryview(flat.view(__import__("torch").uint8).numpy())
+
+
+def as_view(obj: Any, writable: bool = False) -> memoryview:
+    """A flat, C-contiguous, unsigned-byte memoryview over ``obj``'s memory."""
+    if isinstance(obj, memoryview):
+        view = obj
+    else:
+        tv = _torch_view(obj)
+        if tv is not None:
+            view = tv
+        else:
+            try:
+                view = memoryview(obj)
+            except TypeError:
+                raise TypeError(f"{type(obj).__name__} does not expose a buffer (use bytes, bytearray, "
+                                "memoryview, a numpy array or a CPU tensor)") from None
+    if not view.c_contiguous:
+        raise ValueError("buffer is not C-contiguous; make a contiguous copy first")
+    if writable and view.readonly:
+        raise TypeError(f"{type(obj).__name__} is read-only; get_into needs a writable buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

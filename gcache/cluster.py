@@ -1,0 +1,137 @@
+"""A local cluster of real gcached processes on loopback (``gcache up``, the bench, tests)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from gcache.errors import GCacheError
+
+
+@dataclass
+class DaemonProc:
+    index: int
+    node_id: str
+    disk_dir: str | None
+    ready_file: str
+    args: list[str]
+    log_path: str
+    proc: subprocess.Popen | None = None
+    address: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+
+@dataclass
+class LocalCluster:
+    """``nodes`` daemons with ``mem`` of RAM each and, when ``disk`` is set, an NVMe tier of
+    that size in a directory of their own under ``root`` (a temporary directory by default).
+    Each daemon listens on a free loopback port it picks itself and reports it in a ready file."""
+
+    nodes: int = 3
+    mem: str = "256MiB"
+    disk: str | None = None
+    root: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    start_timeout_s: float = 30.0
+    daemons: list[DaemonProc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("a cluster needs at least one node")
+        self._own_root = self.root is None
+        self.root = self.root or tempfile.mkdtemp(prefix="gcache-cluster-")
+
+    @property
+    def addresses(self) -> list[str]:
+        return [d.address for d in self.daemons]
+
+    def start(self) -> LocalCluster:
+        assert self.root is not None
+        for i in range(self.nodes):
+            node_dir = os.path.join(self.root, f"node{i}")
+            os.makedirs(node_dir, exist_ok=True)
+            disk_dir = os.path.join(node_dir, "disk") if self.disk else None
+            args = ["--mem", self.mem, *self.extra_args]
+            if disk_dir:
+                args += ["--disk", disk_dir, "--disk-size", self.disk]
+            self.daemons.append(DaemonProc(i, f"node{i}", disk_dir, os.path.join(node_dir, "ready"), args,
+                                           os.path.join(node_dir, "daemon.log")))
+        for d in self.daemons:
+            self._spawn(d, "127.0.0.1:0")
+        for d in self.daemons:
+            self._wait_ready(d)
+        return self
+
+    def _spawn(self, d: DaemonProc, listen: str) -> None:
+        if os.path.exists(d.ready_file):
+            os.unlink(d.ready_file)
+        cmd = [sys.executable, "-m", "gcache", "daemon", "--listen", listen, "--node-id", d.node_id,
+               "--ready-file", d.ready_file, *d.args]
+        log = open(d.log_path, "ab")
+        d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+
+    def _wait_ready(self, d: DaemonProc) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if d.proc is not None and d.proc.poll() is not None:
+                raise GCacheError(f"daemon {d.node_id} exited with {d.proc.returncode}:\n{self.log_tail(d)}")
+            try:
+                with open(d.ready_file) as f:
+                    d.address = f.read().strip()
+                return
+            except FileNotFoundError:
+                time.sleep(0.02)
+        raise GCacheError(f"daemon {d.node_id} not ready within {self.start_timeout_s}s:\n{self.log_tail(d)}")
+
+    def log_tail(self, d: DaemonProc, lines: int = 20) -> str:
+        try:
+            with open(d.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        d = self.daemons[index]
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                d.proc.wait(timeout=30)
+
+    def restart(self, index: int) -> None:
+        """Start a stopped daemon again on the same port and disk directory."""
+        d = self.daemons[index]
+        if d.proc is not None and d.proc.poll() is None:
+            raise GCacheError(f"daemon {d.node_id} is still running")
+        self._spawn(d, d.address)
+        self._wait_ready(d)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in self.daemons:
+            if d.proc is None:
+                continue
+            try:
+                d.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+        if self._own_root and self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,44 @@
+"""Typed errors. Expected outcomes (miss, full, expired) are per-key statuses, not exceptions.
+
+Transport failures are translated once, at the edge (gcache.client.connection), into these.
+"""
+
+from __future__ import annotations
+
+
+class GCacheError(Exception):
+    """Base of every gcache exception."""
+
+
+class ConfigError(GCacheError, ValueError):
+    """A configuration value is invalid; the message says what to change."""
+
+
+class ConnectionFailed(GCacheError, ConnectionError):
+    """The node could not be reached, or the connection broke mid-call."""
+
+    def __init__(self, node: str, cause: str) -> None:
+        super().__init__(f"{node}: {cause}")
+        self.node = node
+
+
+class CallTimeout(GCacheError, TimeoutError):
+    """The node did not answer within the call's timeout."""
+
+    def __init__(self, node: str, timeout_s: float) -> None:
+        super().__init__(f"{node}: no answer within {timeout_s:.3f}s")
+        self.node = node
+
+
+class ProtocolError(GCacheError):
+    """A frame broke the protocol (bad magic, version, lengths or metadata)."""
+
+
+class ServerError(GCacheError):
+    """The server refused the whole request and said why."""
+
+    def __init__(self, node: str, code: int, message: str) -> None:
+        super().__init__(f"{node}: {message} (code {code})")
+        self.node = node
+        self.code = code
+        self.message = message

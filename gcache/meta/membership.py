@@ -1,0 +1,54 @@
+"""Cluster membership as the client sees it: an epoch and the nodes that own ring ranges."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gcache.errors import ConfigError
+
+
+class NodeState(enum.Enum):
+    UP = "up"
+    SUSPECT = "suspect"
+    DOWN = "down"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Node:
+    """A daemon: ``node_id`` is stable across restarts; ``address`` is its data-plane HOST:PORT;
+    ``weight`` scales its share of the ring (capacity relative to a standard node)."""
+
+    node_id: str
+    address: str
+    weight: float = 1.0
+    state: NodeState = NodeState.UP
+
+    def __post_init__(self) -> None:
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"node {self.node_id!r}: address {self.address!r} is not HOST:PORT")
+        if not self.weight > 0:
+            raise ConfigError(f"node {self.node_id!r}: weight must be > 0")
+
+
+@dataclass(frozen=True)
+class Membership:
+    epoch: int
+    nodes: tuple[Node, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_addresses(cls, addresses: Iterable[str], epoch: int = 0) -> Membership:
+        """Equal-weight nodes whose ids are their addresses (a static cluster)."""
+        nodes = tuple(Node(a.strip(), a.strip()) for a in addresses if a.strip())
+        if not nodes:
+            raise ConfigError("no nodes given; pass at least one HOST:PORT")
+        if len({n.node_id for n in nodes}) != len(nodes):
+            raise ConfigError("duplicate node addresses")
+        return cls(epoch, nodes)
+
+    def owners(self) -> dict[str, Node]:
+        """Nodes that own ring ranges (UP and SUSPECT; DOWN and DRAINING own nothing)."""
+        return {n.node_id: n for n in self.nodes if n.state in (NodeState.UP, NodeState.SUSPECT)}

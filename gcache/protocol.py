@@ -1,0 +1,121 @@
+"""Data-plane wire format, version 1.
+
+A frame is a fixed header, msgpack metadata, then raw payload bytes::
+
+    magic  b"GCP1"  4 bytes
+    version         u8      (1)
+    opcode          u8      (Op)
+    flags           u16     (reply bit, error bit)
+    request id      u64     (echoed in the reply; lets a connection pipeline requests)
+    meta length     u32     (msgpack map, at most MAX_META_BYTES)
+    payload length  u64     (raw value bytes, concatenated in key order)
+
+Batch requests carry ``{"ns": str, "keys": [bytes, ...]}`` plus per-op fields; replies carry
+``{"st": [status, ...]}`` with one :class:`Status` per key, plus per-op fields. A reply with the
+ERROR flag carries ``{"code": int, "msg": str}`` and refuses the whole request.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+import msgpack
+
+MAGIC = b"GCP1"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIQ")
+HEADER_SIZE = HEADER.size  # 28
+MAX_META_BYTES = 16 << 20
+MAX_KEY_BYTES = 1024
+MAX_NS_BYTES = 128
+MAX_BATCH_KEYS = 65536
+
+FLAG_REPLY = 0x1
+FLAG_ERROR = 0x2
+
+
+class Op(enum.IntEnum):
+    PING = 1
+    PUT = 2
+    GET = 3
+    EXISTS = 4
+    DELETE = 5
+    STATS = 6
+
+
+class Status(enum.IntEnum):
+    """Per-key outcome. OK and NOT_FOUND are the normal answers; the rest say why not."""
+
+    OK = 0
+    NOT_FOUND = 1
+    TOO_LARGE = 2  # value larger than the configured maximum
+    FULL = 3  # no room even after eviction (everything pinned or in flight)
+    BAD_KEY = 4  # empty or over-long key
+    BUFFER_TOO_SMALL = 5  # client side: the caller's buffer cannot hold the value
+    UNAVAILABLE = 6  # client side: the owning node failed (only with errors="miss")
+    ERROR = 7  # server-side failure for this key (logged by the daemon)
+
+
+class ErrorCode(enum.IntEnum):
+    """Whole-request refusals (FLAG_ERROR replies)."""
+
+    BAD_FRAME = 1
+    BAD_VERSION = 2
+    UNKNOWN_OP = 3
+    BAD_META = 4
+    TOO_LARGE = 5
+    INTERNAL = 6
+
+
+def pack_header(op: int, flags: int, req_id: int, meta_len: int, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, flags, req_id, meta_len, payload_len)
+
+
+def unpack_header(buf: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int, int]:
+    """Return (version, opcode, flags, request id, meta length, payload length).
+
+    Raises ValueError naming the fault for a bad magic or an oversized metadata length. The
+    version is returned, not checked, so the caller can answer a wrong version clearly.
+    """
+    magic, version, op, flags, req_id, meta_len, payload_len = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if meta_len > MAX_META_BYTES:
+        raise ValueError(f"metadata of {meta_len} bytes exceeds {MAX_META_BYTES}")
+    return version, op, flags, req_id, meta_len, payload_len
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def decode_meta(raw: bytes | memoryview) -> dict[str, Any]:
+    """Decode request/reply metadata; raises ValueError for anything but a msgpack map."""
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"undecodable metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")
+    return meta
+
+
+def key_error(key: object) -> str | None:
+    """Why ``key`` is not a valid key, or None if it is."""
+    if not isinstance(key, bytes):
+        return f"key must be bytes, got {type(key).__name__}"
+    if not key:
+        return "empty key"
+    if len(key) > MAX_KEY_BYTES:
+        return f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}"
+    return None
+
+
+def namespace_error(ns: object) -> str | None:
+    if not isinstance(ns, str):
+        return f"namespace must be a string, got {type(ns).__name__}"
+    if not ns or len(ns.encode()) > MAX_NS_BYTES:
+        return f"namespace must be 1..{MAX_NS_BYTES} bytes"
+    return None

@@ -1,0 +1,72 @@
+"""``gcache daemon``: build the store, serve the data plane, stop cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from gcache.errors import ConfigError
+from gcache.server.server import DataServer
+from gcache.sizes import parse_size
+from gcache.tier.store import Store, StoreConfig
+
+log = logging.getLogger("gcached")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:7400",
+                   help="HOST:PORT for the data plane (port 0 picks a free one; default %(default)s)")
+    p.add_argument("--node-id", default=None, help="stable node id (default: the listen address)")
+    p.add_argument("--mem", default="1GiB", help="RAM arena size, e.g. 512MiB, 4GiB (default %(default)s)")
+    p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
+    p.add_argument("--disk-size", default="10GiB", help="NVMe tier byte budget (default %(default)s)")
+    p.add_argument("--max-value", default="64MiB", help="largest value accepted (default %(default)s)")
+    p.add_argument("--no-pretouch", action="store_true",
+                   help="do not pre-fault the arena at start-up (faster start, slower first writes)")
+    p.add_argument("--ready-file", default=None,
+                   help="write 'HOST:PORT' here once listening (for supervisors and tests)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s gcached[%(process)d] %(levelname)s %(name)s: %(message)s")
+    try:
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
+        config = StoreConfig(
+            mem_bytes=parse_size(args.mem),
+            disk_dir=args.disk,
+            disk_bytes=parse_size(args.disk_size) if args.disk else 0,
+            max_value_bytes=parse_size(args.max_value),
+            pretouch=not args.no_pretouch,
+        )
+        store = Store(config)
+        server = DataServer(store, host, int(port), node_id=args.node_id,
+                            max_payload=max(config.max_value_bytes * 64, 1 << 30))
+    except (ConfigError, OSError) as exc:
+        print(f"gcache daemon: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    line = f"gcached listening on {server.address} node={server.node_id} mem={config.mem_bytes}"
+    if config.disk_dir:
+        line += f" disk={config.disk_dir} ({len(store.nvme or [])} keys recovered)"
+    print(line, flush=True)
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(server.address)
+        os.replace(tmp, args.ready_file)
+    stop.wait()
+    log.info("stopping")
+    server.stop()
+    store.close()
+    return 0

@@ -1,0 +1,73 @@
+"""gcached's data-plane TCP server: one thread per connection, blocking sockets.
+
+Blocking ``recv_into``/``sendmsg`` release the GIL for the copy, so a thread per connection
+moves bytes faster than an event loop in Python (FACTS.md: 13 µs vs 46 µs per round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from gcache.server.handler import Handler
+from gcache.tier.store import Store
+from gcache.wire import tune
+
+log = logging.getLogger(__name__)
+
+
+class DataServer:
+    def __init__(self, store: Store, host: str, port: int, node_id: str | None = None,
+                 max_payload: int = 4 << 30) -> None:
+        self.store = store
+        self.max_payload = max_payload
+        self._lsock = socket.create_server((host, port), backlog=128)
+        self.host, self.port = self._lsock.getsockname()[:2]
+        self.address = f"{self.host}:{self.port}"
+        self.node_id = node_id or self.address
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"DataServer(node={self.node_id!r}, address={self.address!r}, connections={len(self._conns)})"
+
+    def start(self) -> DataServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="gcache-accept", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                sock, _ = self._lsock.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                continue
+            tune(sock)
+            with self._lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve_conn, args=(sock,), name="gcache-conn", daemon=True).start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        try:
+            Handler(sock, self.store, self.node_id, self.max_payload).serve()
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._lsock.close()
+        with self._lock:
+            for sock in list(self._conns):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)

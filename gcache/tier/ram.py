@@ -1,0 +1,85 @@
+"""RAM tier: arena slots, the key index and LRU order. No locking: the store's lock covers it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from gcache.tier.allocator import ExtentAllocator
+from gcache.tier.arena import Arena
+
+Key = tuple[str, bytes]  # (namespace, key)
+
+
+class RamEntry:
+    """One value in the arena. ``pins`` counts readers copying out of the slot; a pinned slot is
+    never reused, so an entry overwritten or evicted while pinned is only marked ``dead`` and its
+    slot is freed by the last unpin."""
+
+    __slots__ = ("off", "size", "expires", "pins", "dead", "on_disk", "superseded")
+
+    def __init__(self, off: int, size: int, expires: float, on_disk: bool = False) -> None:
+        self.off = off
+        self.size = size
+        self.expires = expires  # wall-clock seconds; 0 = never
+        self.pins = 0
+        self.dead = False
+        self.on_disk = on_disk  # an identical copy is indexed in the NVMe tier
+        self.superseded = False  # set while demoting if the key was overwritten or deleted
+
+    def __repr__(self) -> str:
+        return f"RamEntry(off={self.off}, size={self.size}, pins={self.pins}, dead={self.dead})"
+
+
+class RamTier:
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.alloc = ExtentAllocator(arena.size)
+        self.index: OrderedDict[Key, RamEntry] = OrderedDict()
+        self.value_bytes = 0  # sum of value sizes indexed (allocated bytes: alloc.used)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def lookup(self, key: Key, now: float) -> RamEntry | None:
+        """The live entry for ``key``, moved to most-recently-used; an expired one is dropped."""
+        e = self.index.get(key)
+        if e is None:
+            return None
+        if e.expires and e.expires <= now:
+            self.release(self.pop(key))
+            return None
+        self.index.move_to_end(key)
+        return e
+
+    def insert(self, key: Key, entry: RamEntry) -> RamEntry | None:
+        """Index ``entry`` as most recent; returns the entry it replaced (caller releases it)."""
+        old = self.pop(key)
+        self.index[key] = entry
+        self.value_bytes += entry.size
+        return old
+
+    def pop(self, key: Key) -> RamEntry | None:
+        e = self.index.pop(key, None)
+        if e is not None:
+            self.value_bytes -= e.size
+        return e
+
+    def victims(self) -> Iterator[tuple[Key, RamEntry]]:
+        """Unpinned entries, least recently used first (a snapshot: safe to pop while iterating)."""
+        for key, e in list(self.index.items()):
+            if e.pins == 0:
+                yield key, e
+
+    def release(self, entry: RamEntry | None) -> None:
+        """Free the entry's slot now, or when its last reader unpins it."""
+        if entry is None or entry.dead:
+            return
+        entry.dead = True
+        if entry.pins == 0:
+            self.alloc.free_slot(entry.off, entry.size)
+
+    def unpin(self, entry: RamEntry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.dead:
+            self.alloc.free_slot(entry.off, entry.size)

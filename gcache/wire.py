@@ -1,0 +1,51 @@
+"""Socket helpers shared by the daemon and the client: exact receives and scatter-gather sends.
+
+Payload is moved with ``recv_into`` a memoryview of its destination and ``sendmsg`` of
+memoryviews of its source, so no bytes object of payload is ever built.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+IOV_MAX = 1024
+DRAIN_CHUNK = 1 << 20
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely; raises ConnectionResetError on EOF."""
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError(f"peer closed the connection ({got} of {total} bytes received)")
+        got += n
+
+
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and discard ``nbytes`` (the payload of a refused value), keeping the framing in sync."""
+    while nbytes > 0:
+        chunk = scratch[: min(nbytes, len(scratch))]
+        recv_exact(sock, chunk)
+        nbytes -= len(chunk)
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every buffer in order with sendmsg (scatter-gather), resuming after partial sends."""
+    bufs = [b for b in buffers if len(b)]
+    i = 0
+    while i < len(bufs):
+        sent = sock.sendmsg(bufs[i : i + IOV_MAX])
+        while sent:
+            head = bufs[i]
+            if sent >= len(head):
+                sent -= len(head)
+                i += 1
+            else:
+                bufs[i] = memoryview(head)[sent:]
+                sent = 0
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
