@@ -1,0 +1,204 @@
+"""The tiered store in-process: LRU, TTL, pins, demotion, checksums, full disk, recovery."""
+
+import os
+import resource
+import time
+
+import pytest
+
+from gcache.protocol import Status
+from gcache.tier.nvme import NvmeTier
+from gcache.tier.store import Store, StoreConfig
+
+KB = 1024
+
+
+def wait_until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def read(store, key):
+    hit = store.acquire(key)
+    if hit is None:
+        return None
+    try:
+        return bytes(hit.view)
+    finally:
+        store.release(hit)
+
+
+@pytest.fixture
+def ram_store():
+    s = Store(StoreConfig(mem_bytes=64 * KB))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def tiered(tmp_path):
+    stores = []
+
+    def make(mem=64 * KB, disk=4 << 20, **kw):
+        s = Store(StoreConfig(mem_bytes=mem, disk_dir=str(tmp_path / "disk"), disk_bytes=disk,
+                              segment_bytes=256 * KB, **kw))
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+def test_lru_evicts_least_recently_used_first(ram_store):
+    for i in range(4):
+        assert ram_store.put(("ns", b"k%d" % i), bytes([i]) * 16 * KB) is Status.OK
+    assert read(ram_store, ("ns", b"k0")) is not None  # k0 becomes most recent
+    assert ram_store.put(("ns", b"k4"), b"x" * 16 * KB) is Status.OK
+    present = [ram_store.exists(("ns", b"k%d" % i)) for i in range(5)]
+    assert present == [True, False, True, True, True]  # k1 was the least recent
+    assert ram_store.stats()["evictions"] == 1
+
+
+def test_ttl_expiry(ram_store):
+    ram_store.put(("ns", b"short"), b"v", ttl_s=0.05)
+    ram_store.put(("ns", b"long"), b"v")
+    assert ram_store.exists(("ns", b"short"))
+    assert wait_until(lambda: not ram_store.exists(("ns", b"short")), 5)
+    assert ram_store.exists(("ns", b"long"))
+    assert ram_store.stats()["ram_keys"] == 1
+
+
+def test_byte_exact_accounting(ram_store):
+    ram_store.put(("ns", b"a"), b"x" * 100)
+    ram_store.put(("ns", b"b"), b"y" * 1000)
+    s = ram_store.stats()
+    assert s["ram_value_bytes"] == 1100 and s["ram_used"] == 128 + 1024
+    ram_store.put(("ns", b"a"), b"z" * 10)  # overwrite frees the old slot
+    s = ram_store.stats()
+    assert s["ram_value_bytes"] == 1010 and s["ram_used"] == 64 + 1024
+    assert ram_store.delete(("ns", b"b")) and not ram_store.delete(("ns", b"b"))
+    assert ram_store.stats()["ram_used"] == 64
+
+
+def test_pinned_value_is_never_overwritten_in_place(ram_store):
+    ram_store.put(("ns", b"a"), b"A" * 32 * KB)
+    hit = ram_store.acquire(("ns", b"a"))
+    ram_store.put(("ns", b"a"), b"B" * 32 * KB)  # replaces while the reader holds the old slot
+    for i in range(3):
+        ram_store.put(("ns", b"f%d" % i), b"C" * 16 * KB)  # pressure: must not reuse the pinned slot
+    assert bytes(hit.view) == b"A" * 32 * KB
+    ram_store.release(hit)
+    assert read(ram_store, ("ns", b"a")) in (b"B" * 32 * KB, None)
+
+
+def test_full_when_everything_is_pinned(ram_store):
+    ram_store.put(("ns", b"a"), b"x" * 60 * KB)
+    hit = ram_store.acquire(("ns", b"a"))
+    assert ram_store.put(("ns", b"b"), b"y" * 16 * KB) is Status.FULL
+    ram_store.release(hit)
+    assert ram_store.put(("ns", b"b"), b"y" * 16 * KB) is Status.OK
+
+
+def test_too_large(ram_store):
+    assert ram_store.put(("ns", b"big"), b"x" * 65 * KB) is Status.TOO_LARGE
+
+
+def test_namespaces_are_isolated(ram_store):
+    ram_store.put(("a", b"k"), b"tenant-a")
+    assert read(ram_store, ("b", b"k")) is None
+    assert not ram_store.delete(("b", b"k"))
+    assert read(ram_store, ("a", b"k")) == b"tenant-a"
+
+
+def test_pressure_demotes_to_nvme_and_values_are_still_served(tiered):
+    s = tiered()
+    values = {b"k%03d" % i: os.urandom(10 * KB) for i in range(40)}  # 400 KiB through a 64 KiB arena
+    for k, v in values.items():
+        assert s.put(("ns", k), v) is Status.OK
+    assert s.flush()
+    st = s.stats()
+    assert st["demotions"] > 30 and st["disk_keys"] > 30
+    for k, v in values.items():
+        assert read(s, ("ns", k)) == v
+    assert s.stats()["hits_nvme"] > 0
+
+
+def test_checksum_mismatch_is_a_miss_never_bad_bytes(tiered):
+    s = tiered(promote_on_hit=False)
+    s.put(("ns", b"victim"), b"v" * 20 * KB)
+    for i in range(8):
+        s.put(("ns", b"f%d" % i), b"f" * 20 * KB)
+    assert s.flush()
+    loc = s.nvme.index[("ns", b"victim")]
+    os.pwrite(loc.seg.fd, b"\xff\xfe", loc.off + 100)  # bit rot inside the value
+    assert read(s, ("ns", b"victim")) is None
+    assert s.stats()["disk_corrupt"] == 1
+    assert not s.exists(("ns", b"victim"))  # the bad record is dropped
+
+
+def test_restart_recovers_disk_keys_and_drops_a_torn_tail(tmp_path):
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 4 << 20, segment_bytes=1 << 20)
+    for i in range(10):
+        assert t.append(("ns", b"k%d" % i), memoryview(bytes([i]) * 5000), 0.0)
+    t.remove(("ns", b"k3"))
+    seg_path = t.segments[-1].path
+    t.close()
+    with open(seg_path, "ab") as f:  # a crash mid-append: a header and half a value
+        f.write(b"GCR1" + b"\x01" * 60)
+    t2 = NvmeTier(d, 4 << 20, segment_bytes=1 << 20)
+    assert len(t2) == 9 and not t2.contains(("ns", b"k3"))
+    for i in (0, 5, 9):
+        loc = t2.lookup(("ns", b"k%d" % i))
+        buf = memoryview(bytearray(loc.size))
+        assert t2.read(("ns", b"k%d" % i), loc, buf) and bytes(buf) == bytes([i]) * 5000
+    assert t2.append(("ns", b"new"), memoryview(b"n" * 10), 0.0)  # appends continue after the tail
+    t2.close()
+
+
+def test_disk_budget_reclaims_oldest_segments(tmp_path):
+    t = NvmeTier(str(tmp_path / "d"), 1 << 20, segment_bytes=256 * KB)
+    for i in range(40):
+        assert t.append(("ns", b"k%d" % i), memoryview(b"x" * 50 * KB), 0.0)
+    assert t.used <= 1 << 20
+    assert t.contains(("ns", b"k39")) and not t.contains(("ns", b"k0"))
+    assert t.reclaimed_segments > 0
+    t.close()
+
+
+def test_full_disk_is_survived_and_loses_nothing_stored(tmp_path):
+    """RLIMIT_FSIZE makes writes past 300 KiB of a file fail with EFBIG, as a full disk would."""
+    t = NvmeTier(str(tmp_path / "d"), 16 << 20, segment_bytes=1 << 20)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300 * KB, hard))
+    try:
+        results = [t.append(("ns", b"k%d" % i), memoryview(bytes([i]) * 40 * KB), 0.0) for i in range(12)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert results[0] and not all(results)
+    assert t.write_errors > 0
+    for i, ok in enumerate(results):
+        loc = t.lookup(("ns", b"k%d" % i))
+        assert (loc is not None) == ok
+        if loc is not None:
+            buf = memoryview(bytearray(loc.size))
+            assert t.read(("ns", b"k%d" % i), loc, buf) and bytes(buf) == bytes([i]) * 40 * KB
+    t.close()
+
+
+def test_overwrite_survives_restart_as_the_new_value(tiered, tmp_path):
+    s = tiered()
+    s.put(("ns", b"k"), b"old" * 10 * KB)
+    for i in range(10):
+        s.put(("ns", b"f%d" % i), b"f" * 10 * KB)
+    assert s.flush() and s.nvme.contains(("ns", b"k"))
+    s.put(("ns", b"k"), b"new")  # a tombstone hides the old disk copy
+    s.close()
+    t = NvmeTier(str(tmp_path / "disk"), 4 << 20, segment_bytes=256 * KB)
+    assert not t.contains(("ns", b"k"))
+    t.close()
