@@ -10,6 +10,7 @@ the caller's buffers with recv_into.
 from __future__ import annotations
 
 import enum
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
-from gcache.errors import ConfigError, GCacheError, ProtocolError, ServerError
+from gcache.errors import CallTimeout, ConfigError, GCacheError, ProtocolError, ServerError
 from gcache.meta.membership import Membership
 from gcache.meta.ring import DEFAULT_VNODES, HashRing
 from gcache.protocol import Op, Status, namespace_error
@@ -257,25 +258,61 @@ class Client:
             groups.setdefault(owner, []).append(i)
         deadline = time.monotonic() + self.timeout_s
         failures: list[GCacheError] = []
-        inflight: list[tuple[list[int], Connection]] = []
+        sending: dict[int, tuple[list[int], Connection]] = {}
         for node, idxs in groups.items():
             conn = None
             try:
                 conn = self._pool.get(node, addr[node])
                 meta, payload = build(idxs, [kbytes[i] for i in idxs])
-                conn.send(op, meta, payload, deadline, self.timeout_s)
-                inflight.append((idxs, conn))
+                conn.prepare(op, meta, payload, self.timeout_s)
+                sending[conn.sock.fileno()] = (idxs, conn)
             except GCacheError as exc:
                 self._failed(idxs, conn, exc, status, failures)
-        for idxs, conn in inflight:
-            try:
-                meta, plen = conn.recv_reply(deadline)
-                finish(idxs, meta, plen, conn, deadline)
-                self._pool.put(conn)
-            except GCacheError as exc:
-                self._failed(idxs, conn, exc, status, failures)
+        # Interleave the sends, so every owner receives at once and a stalled owner cannot hold
+        # up the others; then read each reply as soon as its owner has started answering.
+        receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
+                                    lambda idxs, conn: conn.send_some(deadline))
+        self._poll_loop(receiving, select.POLLIN, deadline, status, failures,
+                        lambda idxs, conn: self._finish(idxs, conn, finish, deadline))
         if failures and self.on_node_error is OnNodeError.RAISE:
             raise failures[0]
+
+    def _finish(self, idxs: list[int], conn: Connection, finish: Callable, deadline: float) -> bool:
+        meta, plen = conn.recv_reply(deadline)
+        finish(idxs, meta, plen, conn, deadline)
+        self._pool.put(conn)
+        return True
+
+    def _poll_loop(self, conns: dict[int, tuple[list[int], Connection]], event: int, deadline: float,
+                   status: list[Status], failures: list[GCacheError],
+                   step: Callable[[list[int], Connection], bool]) -> dict[int, tuple[list[int], Connection]]:
+        """Run ``step`` on each connection whenever it is ready for ``event`` until it returns
+        True; returns the finished ones. Connections still unfinished at the deadline fail."""
+        done: dict[int, tuple[list[int], Connection]] = {}
+        poller = select.poll()
+        for fd in conns:
+            poller.register(fd, event)
+        pending = dict(conns)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ev in poller.poll(remaining * 1000):
+                idxs, conn = pending[fd]
+                try:
+                    finished = step(idxs, conn)
+                except GCacheError as exc:
+                    finished = False
+                    self._failed(idxs, conn, exc, status, failures)
+                    del pending[fd]
+                    poller.unregister(fd)
+                    continue
+                if finished:
+                    done[fd] = pending.pop(fd)
+                    poller.unregister(fd)
+        for idxs, conn in pending.values():
+            self._failed(idxs, conn, CallTimeout(conn.node, self.timeout_s), status, failures)
+        return done
 
     def _failed(self, idxs: list[int], conn: Connection | None, exc: GCacheError,
                 status: list[Status], failures: list[GCacheError]) -> None:

@@ -6,6 +6,7 @@ against a deadline; a connection that failed mid-frame is closed, never reused.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from typing import Any, Iterator
 
 from gcache import protocol as P
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
-from gcache.wire import DRAIN_CHUNK, drain, recv_exact, send_all, tune
+from gcache.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all, tune
 
 
 class Connection:
@@ -26,6 +27,8 @@ class Connection:
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._next_id = 1
         self._pending: list[int] = []
+        self._out: list[Any] = []
+        self._out_i = 0
         self._timeout = connect_timeout_s
         host, _, port = address.rpartition(":")
         with self._io(time.monotonic() + connect_timeout_s):
@@ -52,18 +55,48 @@ class Connection:
             self.broken = True
             raise ConnectionFailed(self.node, str(exc) or type(exc).__name__) from None
 
-    def send(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], deadline: float,
-             timeout_s: float) -> int:
-        """Send one request frame; returns its request id (replies come back in order)."""
+    def prepare(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], timeout_s: float) -> int:
+        """Queue one request frame for send_some(); returns its request id."""
         self._timeout = timeout_s
         raw = P.encode_meta(meta)
         total = sum(len(v) for v in payload)
         req_id = self._next_id
         self._next_id += 1
-        head = P.pack_header(op, 0, req_id, len(raw), total)
-        with self._io(deadline):
-            send_all(self.sock, [head + raw, *payload])
+        self._out = [P.pack_header(op, 0, req_id, len(raw), total) + raw, *(v for v in payload if len(v))]
+        self._out_i = 0
         self._pending.append(req_id)
+        return req_id
+
+    def send_some(self, deadline: float) -> bool:
+        """Send queued bytes without blocking; True once the whole frame is out."""
+        with self._io(deadline):
+            self.sock.setblocking(False)
+            out, i = self._out, self._out_i
+            try:
+                while i < len(out):
+                    sent = self.sock.sendmsg(out[i : i + IOV_MAX])
+                    while sent:
+                        if sent >= len(out[i]):
+                            sent -= len(out[i])
+                            i += 1
+                        else:
+                            out[i] = memoryview(out[i])[sent:]
+                            sent = 0
+            except BlockingIOError:
+                pass
+            self._out_i = i
+            if i == len(out):
+                self._out = []
+                return True
+            return False
+
+    def send(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], deadline: float,
+             timeout_s: float) -> int:
+        """Send one whole request frame (blocking until the deadline)."""
+        req_id = self.prepare(op, meta, payload, timeout_s)
+        with self._io(deadline):
+            send_all(self.sock, self._out)
+        self._out = []
         return req_id
 
     def recv_reply(self, deadline: float) -> tuple[dict[str, Any], int]:
@@ -102,6 +135,15 @@ class Connection:
         with self._io(deadline):
             drain(self.sock, nbytes, memoryview(bytearray(min(nbytes, DRAIN_CHUNK))))
 
+    def idle_ok(self) -> bool:
+        """An idle connection must have nothing to read: readable means the daemon closed it
+        (it restarted or died), so it must not be reused."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
     def close(self) -> None:
         self.broken = True
         try:
@@ -124,7 +166,7 @@ class Pool:
             idle = self._idle.get(node)
             while idle:
                 conn = idle.pop()
-                if conn.address == address:
+                if conn.address == address and conn.idle_ok():
                     return conn
                 conn.close()
         return Connection(node, address, self.connect_timeout_s)
