@@ -1,0 +1,83 @@
+"""The gcache command as a user runs it: up, put/get/exists/stats, bench --json, --help."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GCACHE = [sys.executable, "-m", "gcache"]
+
+
+def run(*args, env=None, check=True):
+    p = subprocess.run([*GCACHE, *args], capture_output=True, text=True, timeout=120, env=env)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_help_explains_every_command():
+    out = run("--help").stdout
+    for cmd in ("daemon", "up", "put", "get", "exists", "stats", "bench"):
+        assert cmd in out
+    assert "--disk-size" in run("daemon", "--help").stdout
+
+
+def test_up_then_data_commands_then_ctrl_c(tmp_path):
+    up = subprocess.Popen([*GCACHE, "up", "--nodes", "2", "--mem", "32MiB", "--disk", "--disk-size", "64MiB",
+                           "--dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        nodes = None
+        pids = []
+        deadline = time.monotonic() + 30
+        while nodes is None and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, up.stderr.read()
+            if " pid " in line:
+                pids.append(int(line.rsplit(" ", 1)[1]))
+            if line.startswith("export GCACHE_NODES="):
+                nodes = line.strip().split("=", 1)[1]
+        assert nodes and nodes.count(",") == 1
+        env = {**os.environ, "GCACHE_NODES": nodes}
+        assert run("put", "greeting", "hello world", env=env).stdout.strip() == "OK"
+        assert run("get", "greeting", env=env).stdout == "hello world\n"
+        miss = run("get", "absent", env=env, check=False)
+        assert miss.returncode == 1 and "NOT_FOUND" in miss.stderr
+        ex = run("exists", "greeting", "absent", env=env, check=False)
+        assert ex.stdout.splitlines() == ["greeting\tyes", "absent\tno"]
+        stats = json.loads(run("stats", "--json", env=env).stdout)
+        assert sum(s["ram_keys"] for s in stats.values()) == 1
+        assert "ram used" in run("stats", env=env).stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=30)
+    assert up.returncode == 0 and "cluster stopped" in out
+    assert len(pids) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_data_command_without_nodes_says_what_to_do():
+    env = {k: v for k, v in os.environ.items() if k != "GCACHE_NODES"}
+    p = run("get", "k", env=env, check=False)
+    assert p.returncode != 0 and "--nodes" in p.stderr
+
+
+def test_daemon_refuses_bad_sizes_clearly():
+    p = run("daemon", "--listen", "127.0.0.1:0", "--mem", "lots", check=False)
+    assert p.returncode == 2 and "cannot read size 'lots'" in p.stderr
+
+
+def test_bench_json_has_the_documented_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run("bench", "--nodes", "2", "--mem", "64MiB", "--sizes", "64KiB", "--threads", "1", "--seconds", "0.2",
+            "--no-progress", "--json", str(out))
+    assert "ratio" in p.stdout
+    doc = json.loads(out.read_text())
+    recs = doc["records"]
+    assert {(r["system"], r["op"]) for r in recs} == {("socket", "put"), ("socket", "get"),
+                                                       ("gcache", "put"), ("gcache", "get")}
+    for r in recs:
+        for field in ("op", "value_bytes", "batch", "threads", "gbps", "p50_ms", "p99_ms", "ceiling_gbps", "ratio"):
+            assert field in r
+        assert r["gbps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+    assert doc["machine"]["cpus"] >= 1
