@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,router
+EXTRAS ?= dev,router,bench
 
 .PHONY: run test venv system-deps lint clean
 
