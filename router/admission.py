@@ -1,0 +1,176 @@
+"""Admission: route a parsed request to a worker and take a lease, or wait in the
+priority queue until one frees up, or refuse with a reason.
+
+The decision itself is ``decide.plan`` (pure); this module adds the state I/O,
+the wait queues (one per length bucket) and encoder affinity. One asyncio task
+pumps the queues at a time; the head is retried when a local lease is released
+and every ``poll_s`` (capacity may be freed by another replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from router.buckets import BucketMap
+from router.config import RouterConfig
+from router.decide import Outcome, Plan, plan
+from router.encoder import HashRing
+from router.metrics import RouterMetrics
+from router.policies import Decision, Policy, Reason
+from router.queue import PendingQueue
+from router.request import ParsedRequest
+from router.state_base import Lease, RouterState
+
+
+class Rejected(Exception):
+    """The router refuses the request; ``status`` and message go back to the client."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+@dataclass
+class _Waiter:
+    req: ParsedRequest
+    fut: asyncio.Future = field(repr=False)
+    since: float = 0.0
+
+
+class Admission:
+    def __init__(self, cfg: RouterConfig, state: RouterState, policy: Policy, metrics: RouterMetrics,
+                 poll_s: float = 0.05) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.policy = policy
+        self.metrics = metrics
+        self.buckets = BucketMap(cfg.buckets)
+        self.queues: dict[int, PendingQueue[_Waiter]] = {}
+        self.poll_s = poll_s
+        self._pump_lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"Admission(policy={self.policy.name}, depth={self.depth()})"
+
+    def depth(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    async def admit(self, req: ParsedRequest) -> tuple[Lease, Decision]:
+        """A lease on a worker for ``req``. Raises Rejected (503) when none frees up in time."""
+        if req.media_keys:
+            got = await self._try_encoder(req)
+            if got is not None:
+                return got
+        p, got = await self._try(req, take=lambda p: not self.queues.get(p.bucket))
+        if got is not None:
+            return got
+        if p.outcome is Outcome.NO_WORKER:
+            self.metrics.rejected.labels("no_worker").inc()
+            raise Rejected(503, "no_worker", f"no healthy worker can serve a prompt of ~{req.n_tokens} tokens",
+                           retry_after=self.cfg.health_interval_s)
+        q = self.queues.setdefault(p.bucket, PendingQueue(self.cfg.queue))
+        if q.full():
+            self.metrics.rejected.labels("queue_full").inc()
+            raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
+        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic())
+        handle = q.push(w, p.uncached_tokens, w.since)
+        self.metrics.queue_depth.set(self.depth())
+        self._ensure_poller()
+        await self.pump()
+        ok = False
+        try:
+            got = await asyncio.wait_for(asyncio.shield(w.fut), self.cfg.queue.max_wait_s)
+            ok = True
+            return got
+        except TimeoutError:
+            self.metrics.rejected.labels("queue_timeout").inc()
+            raise Rejected(503, "queue_timeout",
+                           f"no worker slot freed within {self.cfg.queue.max_wait_s:g}s; retry later",
+                           retry_after=max(1.0, self.cfg.queue.max_wait_s / 4)) from None
+        finally:
+            if q.cancel(handle):
+                self.metrics.queue_depth.set(self.depth())
+            if not ok:
+                if not w.fut.done():
+                    w.fut.cancel()
+                elif not w.fut.cancelled() and w.fut.exception() is None:
+                    await self.state.release(w.fut.result()[0])  # granted just as we gave up
+
+    async def release(self, lease: Lease) -> None:
+        await self.state.release(lease)
+        if self.depth():
+            await self.pump()
+
+    async def pump(self) -> None:
+        """Hand free slots to waiting requests, best key first."""
+        async with self._pump_lock:
+            for q in self.queues.values():
+                while len(q):
+                    w = q.peek()
+                    if w is None or w.fut.done():
+                        q.pop()
+                        continue
+                    p, got = await self._try(w.req)
+                    if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
+                        break
+                    q.pop()
+                    if got is None:
+                        w.fut.set_exception(Rejected(503, "no_worker", "no healthy worker for this request"))
+                    else:
+                        self.metrics.queue_wait.observe(time.monotonic() - w.since)
+                        w.fut.set_result(got)
+            self.metrics.queue_depth.set(self.depth())
+
+    async def _try(self, req: ParsedRequest, take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
+        """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
+        for _ in range(3):  # another replica may take the slot between snapshot and acquire
+            snap = await self.state.snapshot(req.hashes)
+            ticket = await self.state.next_ticket() if self.policy.name == "round_robin" else 0
+            p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
+                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0)
+            if p.outcome is not Outcome.ROUTED or not take(p):
+                return p, None
+            d = p.decision
+            limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
+            lease = await self.state.acquire(d.worker, limit, p.uncached_tokens, req.hashes)
+            if lease is not None:
+                self.metrics.routed(self.policy.name, d.reason.value, req.n_tokens,
+                                    req.n_tokens - p.uncached_tokens)
+                return p, (lease, d)
+        return p, None
+
+    async def _try_encoder(self, req: ParsedRequest) -> tuple[Lease, Decision] | None:
+        snap = await self.state.snapshot(())
+        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.healthy}
+        if not enc:
+            return None
+        owner = HashRing(enc).owner(req.media_keys[0])
+        lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, req.n_tokens, req.hashes)
+        if lease is None:
+            return None  # the owner is saturated: fall back to ordinary routing
+        self.metrics.routed(self.policy.name, Reason.ENCODER_AFFINITY.value, req.n_tokens, 0)
+        return lease, Decision(owner, Reason.ENCODER_AFFINITY, 0)
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self.depth():
+            await asyncio.sleep(self.poll_s)
+            await self.pump()
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+
+

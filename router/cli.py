@@ -1,0 +1,123 @@
+"""``gcache-router``: run the router (``serve``) or the trace simulator (``sim``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from router.config import (
+    BucketConfig,
+    PolicyConfig,
+    PrefixConfig,
+    QueueConfig,
+    QueueOrder,
+    RouterConfig,
+    StateMode,
+    WorkerSpec,
+)
+from router.policies import POLICIES
+from router.sim import cli as sim_cli
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N")
+    p.add_argument("--config", metavar="FILE",
+                   help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}')
+    p.add_argument("--policy", choices=sorted(POLICIES), default="gcache", help="routing policy (default: gcache)")
+    p.add_argument("--state", choices=[m.value for m in StateMode], default="memory",
+                   help="memory: one replica, no Redis; redis: stateless replicas sharing --redis")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL for --state redis")
+    p.add_argument("--namespace", default="gcache-router", help="Redis key prefix shared by replicas of one fleet")
+    p.add_argument("--queue-order", choices=[q.value for q in QueueOrder], default="aged",
+                   help="order of the wait queue (default: aged)")
+    p.add_argument("--aging", type=float, default=QueueConfig().aging_tokens_per_s,
+                   help="aged order: tokens of priority gained per second waited (default: %(default)s)")
+    p.add_argument("--max-wait", type=float, default=QueueConfig().max_wait_s,
+                   help="seconds a request may wait for a slot before a 503 (default: %(default)s)")
+    p.add_argument("--buckets", default="0-64K,64K-256K,256K-1M",
+                   help="prompt-length ranges for worker groups (default: %(default)s)")
+    p.add_argument("--block-tokens", type=int, default=PrefixConfig().block_tokens,
+                   help="tokens per hashed prefix block (default: %(default)s)")
+    p.add_argument("--match-weight", type=float, default=PolicyConfig().match_weight,
+                   help="gcache policy: weight of the prefix-match fraction (default: %(default)s)")
+    p.add_argument("--min-match-blocks", type=int, default=PolicyConfig().min_match_blocks,
+                   help="gcache policy: shorter matches count as none (default: %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=32, help="largest request body accepted (default: 32)")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+
+
+def parse_worker(arg: str) -> WorkerSpec:
+    url, *opts = arg.split(",")
+    d: dict = {"url": url}
+    for o in opts:
+        k, _, v = o.partition("=")
+        if k in ("bucket", "max_inflight"):
+            try:
+                d[k] = int(v)
+            except ValueError:
+                raise ValueError(f"worker option {k} needs an integer, got {v!r}") from None
+        elif k == "role":
+            d[k] = v
+        else:
+            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=")
+    return WorkerSpec.from_dict(d)
+
+
+def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSpec]]:
+    workers = [parse_worker(w) for w in a.worker]
+    if a.config:
+        with open(a.config, encoding="utf-8") as f:
+            doc = json.load(f)
+        workers += [WorkerSpec.from_dict(w) for w in doc.get("workers", [])]
+    cfg = RouterConfig(
+        policy=a.policy,
+        policy_cfg=PolicyConfig(match_weight=a.match_weight, min_match_blocks=a.min_match_blocks),
+        queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait),
+        prefix=PrefixConfig(block_tokens=a.block_tokens),
+        buckets=BucketConfig.parse(a.buckets),
+        state=StateMode(a.state),
+        redis_url=a.redis,
+        namespace=a.namespace,
+        max_body_bytes=int(a.max_body_mb * 1024 * 1024),
+        health_interval_s=a.health_interval,
+    )
+    return cfg, workers
+
+
+def serve(a: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from router.proxy import build_app
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, workers = config_from_args(a)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = build_app(cfg, workers)
+    web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gcache-router",
+        description="Cache-aware LLM request router (serve) and its trace-driven simulator (sim).",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ps = sub.add_parser("serve", help="run the HTTP router in front of inference workers",
+                        description="Reverse proxy for /v1/completions, /v1/chat/completions and /generate "
+                                    "that routes each request to the worker most likely to hold its prefix.")
+    _serve_args(ps)
+    pm = sub.add_parser("sim", help="replay a Mooncake trace against simulated workers",
+                        description="Deterministic discrete-event simulation of every policy x queue order.")
+    sim_cli.add_arguments(pm)
+    a = parser.parse_args(argv)
+    return serve(a) if a.cmd == "serve" else sim_cli.run(a)

@@ -1,0 +1,224 @@
+"""Configuration for the router: frozen dataclasses validated at construction.
+
+Every component takes one of these; nothing reads environment variables. A bad
+value raises ``ValueError`` naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class StateMode(enum.Enum):
+    """Where routing state lives: in this process only, or in Redis (shared by replicas)."""
+
+    MEMORY = "memory"
+    REDIS = "redis"
+
+
+class QueueOrder(enum.Enum):
+    """Order in which requests leave the wait queue when every worker is at its limit."""
+
+    FCFS = "fcfs"  # arrival order
+    UNCACHED = "uncached"  # fewest estimated uncached tokens first (can starve long prompts)
+    AGED = "aged"  # uncached tokens minus aging_tokens_per_s x waiting time (starvation-free)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the routing policies.
+
+    match_weight: weight of the prefix-match fraction in the gcache score
+        ``score(w) = match_weight * match_fraction(w) - normalized_load(w)``.
+    min_match_blocks: matches shorter than this many blocks count as zero, so a
+        prefix every request shares (a system prompt) cannot pull all traffic.
+    load_floor_tokens: normalized_load(w) = load(w) / max(max_v load(v), load_floor_tokens);
+        the floor keeps tiny absolute differences from looking like imbalance.
+    decode_tokens_per_request: each in-flight request adds this many tokens of load
+        (its decode work), on top of its not-yet-prefilled uncached tokens.
+    balance_abs_threshold / balance_rel_threshold / cache_threshold: the SGLang-style
+        gated policy (imbalanced when max-min > abs and max > rel x min, in requests).
+    """
+
+    match_weight: float = 1.5
+    min_match_blocks: int = 2
+    load_floor_tokens: int = 16384
+    decode_tokens_per_request: int = 512
+    balance_abs_threshold: int = 4
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3
+
+    def __post_init__(self) -> None:
+        _check(self.match_weight >= 0, f"match_weight must be >= 0, got {self.match_weight}")
+        _check(self.min_match_blocks >= 0, f"min_match_blocks must be >= 0, got {self.min_match_blocks}")
+        _check(self.load_floor_tokens > 0, f"load_floor_tokens must be > 0, got {self.load_floor_tokens}")
+        _check(
+            self.decode_tokens_per_request >= 0,
+            f"decode_tokens_per_request must be >= 0, got {self.decode_tokens_per_request}",
+        )
+        _check(self.balance_abs_threshold >= 0, "balance_abs_threshold must be >= 0")
+        _check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1.0")
+        _check(0.0 <= self.cache_threshold <= 1.0, "cache_threshold must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The wait queue used when every eligible worker is at its in-flight limit.
+
+    aging_tokens_per_s: in AGED order a waiting request's key drops by this many
+        tokens per second of waiting, so any request eventually reaches the head.
+    max_wait_s: a request that waited this long is answered 503 with Retry-After.
+    max_depth: more waiting requests than this are refused at once with 503.
+    """
+
+    order: QueueOrder = QueueOrder.AGED
+    aging_tokens_per_s: float = 4096.0
+    max_wait_s: float = 30.0
+    max_depth: int = 10_000
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.order, QueueOrder), f"order must be a QueueOrder, got {self.order!r}")
+        _check(self.aging_tokens_per_s > 0, "aging_tokens_per_s must be > 0")
+        _check(self.max_wait_s > 0, f"max_wait_s must be > 0, got {self.max_wait_s}")
+        _check(self.max_depth > 0, f"max_depth must be > 0, got {self.max_depth}")
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """The approximate per-worker prefix index.
+
+    block_tokens: tokens per hashed block when the request carries token ids.
+    chars_per_token: text prompts are cut into blocks of block_tokens x chars_per_token
+        characters, and their token count is estimated as len(text) / chars_per_token.
+    max_blocks_per_worker: the index forgets a worker's least recently used blocks beyond this.
+    ttl_s: a block not seen for this long is forgotten.
+    """
+
+    block_tokens: int = 512
+    chars_per_token: int = 4
+    max_blocks_per_worker: int = 200_000
+    ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check(self.block_tokens > 0, f"block_tokens must be > 0, got {self.block_tokens}")
+        _check(self.chars_per_token > 0, f"chars_per_token must be > 0, got {self.chars_per_token}")
+        _check(self.max_blocks_per_worker > 0, "max_blocks_per_worker must be > 0")
+        _check(self.ttl_s > 0, f"ttl_s must be > 0, got {self.ttl_s}")
+
+
+DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((0, 65_536), (65_536, 262_144), (262_144, 1_048_576))
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """Prompt-length ranges [lo, hi) in tokens; workers are grouped by bucket index.
+
+    A worker with bucket=None serves every length. A request whose bucket has no
+    healthy worker falls back to the next larger bucket with one (long-capable
+    workers can serve short prompts), then to any worker.
+    """
+
+    ranges: tuple[tuple[int, int], ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self) -> None:
+        _check(len(self.ranges) > 0, "bucket ranges must not be empty")
+        prev_hi = None
+        for lo, hi in self.ranges:
+            _check(0 <= lo < hi, f"bucket range ({lo}, {hi}) must satisfy 0 <= lo < hi")
+            _check(prev_hi is None or lo == prev_hi, f"bucket ranges must be contiguous, gap before {lo}")
+            prev_hi = hi
+
+    @staticmethod
+    def parse(spec: str) -> BucketConfig:
+        """Parse ``"0-64K,64K-256K,256K-1M"`` (K = 1024, M = 1024**2)."""
+
+        def num(s: str) -> int:
+            s = s.strip().upper()
+            mult = {"K": 1024, "M": 1024 * 1024}.get(s[-1:], 1)
+            body = s[:-1] if s[-1:] in ("K", "M") else s
+            try:
+                return int(float(body) * mult)
+            except ValueError:
+                raise ValueError(f"bad bucket bound {s!r}: use a number with optional K/M") from None
+
+        ranges = []
+        for part in spec.split(","):
+            if "-" not in part:
+                raise ValueError(f"bad bucket {part!r}: use LO-HI, e.g. 0-64K")
+            lo, hi = part.split("-", 1)
+            ranges.append((num(lo), num(hi)))
+        return BucketConfig(tuple(ranges))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One upstream inference server.
+
+    role: "llm" for prefill/decode servers, "encoder" for multimodal encoder servers.
+    bucket: index into BucketConfig.ranges, or None to serve every prompt length.
+    max_inflight: requests this router fleet sends it at once before queueing.
+    """
+
+    url: str
+    bucket: int | None = None
+    role: str = "llm"
+    max_inflight: int = 64
+
+    def __post_init__(self) -> None:
+        _check(
+            self.url.startswith(("http://", "https://")),
+            f"worker url must start with http:// or https://, got {self.url!r}",
+        )
+        _check(self.role in ("llm", "encoder"), f"worker role must be 'llm' or 'encoder', got {self.role!r}")
+        _check(self.bucket is None or self.bucket >= 0, f"worker bucket must be >= 0, got {self.bucket}")
+        _check(self.max_inflight > 0, f"max_inflight must be > 0, got {self.max_inflight}")
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/")
+
+    def to_dict(self) -> dict:
+        return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight}
+
+    @staticmethod
+    def from_dict(d: dict) -> WorkerSpec:
+        _check(isinstance(d, dict) and isinstance(d.get("url"), str), "worker must be an object with a string 'url'")
+        bucket = d.get("bucket")
+        _check(bucket is None or isinstance(bucket, int), "worker 'bucket' must be an integer or null")
+        mi = d.get("max_inflight", 64)
+        _check(isinstance(mi, int), "worker 'max_inflight' must be an integer")
+        return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router replica needs. See ``gcache-router serve --help``."""
+
+    policy: str = "gcache"
+    policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    state: StateMode = StateMode.MEMORY
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "gcache-router"
+    max_body_bytes: int = 32 * 1024 * 1024
+    upstream_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    health_failures: int = 2
+    redis_timeout_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.state, StateMode), f"state must be a StateMode, got {self.state!r}")
+        _check(self.max_body_bytes > 0, "max_body_bytes must be > 0")
+        _check(self.upstream_timeout_s > 0, "upstream_timeout_s must be > 0")
+        _check(self.health_interval_s > 0, "health_interval_s must be > 0")
+        _check(self.health_failures >= 1, "health_failures must be >= 1")
+        _check(self.redis_timeout_s > 0, "redis_timeout_s must be > 0")
+        _check(bool(self.namespace) and ":" not in self.namespace, "namespace must be non-empty, without ':'")

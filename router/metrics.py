@@ -1,0 +1,62 @@
+"""Prometheus metrics of one router replica, on a registry of its own (several
+replicas can live in one process, as they do in the tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.state_base import WorkerState
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gcache_router_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.decisions = Counter("gcache_router_decisions", "Routing decisions by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        self.rejected = Counter("gcache_router_rejected", "Requests refused by the router, by reason",
+                                ["reason"], registry=r)
+        self.queue_depth = Gauge("gcache_router_queue_depth", "Requests waiting for a worker slot",
+                                 registry=r)
+        self.queue_wait = Histogram("gcache_router_queue_wait_seconds", "Time requests waited in the queue",
+                                    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.prompt_tokens = Counter("gcache_router_prompt_tokens", "Prompt tokens routed (estimated)",
+                                     registry=r)
+        self.cached_tokens = Counter("gcache_router_estimated_cached_tokens",
+                                     "Prompt tokens the chosen worker is believed to hold", registry=r)
+        self.hit_rate = Gauge("gcache_router_estimated_prefix_hit_rate",
+                              "estimated_cached_tokens / prompt_tokens since start", registry=r)
+        self.worker_inflight = Gauge("gcache_router_worker_inflight_requests",
+                                     "In-flight requests per worker (all replicas)", ["worker"], registry=r)
+        self.worker_pending = Gauge("gcache_router_worker_pending_prefill_tokens",
+                                    "Uncached prompt tokens sent and not yet answered", ["worker"], registry=r)
+        self.worker_healthy = Gauge("gcache_router_worker_healthy", "1 if the worker passes health checks",
+                                    ["worker"], registry=r)
+        self.redis_up = Gauge("gcache_router_redis_up",
+                              "1 when shared state in Redis is reachable, 0 when serving from local state",
+                              registry=r)
+        self.redis_errors = Gauge("gcache_router_redis_errors", "Redis calls that failed since start",
+                                  registry=r)
+        self._prompt = 0
+        self._cached = 0
+
+    def routed(self, policy: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.decisions.labels(policy, reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._prompt += prompt_tokens
+        self._cached += cached_tokens
+        if self._prompt:
+            self.hit_rate.set(self._cached / self._prompt)
+
+    def set_workers(self, states: list[WorkerState]) -> None:
+        for g in (self.worker_inflight, self.worker_pending, self.worker_healthy):
+            g.clear()
+        for s in states:
+            self.worker_inflight.labels(s.name).set(s.inflight_requests)
+            self.worker_pending.labels(s.name).set(s.pending_tokens)
+            self.worker_healthy.labels(s.name).set(1 if s.healthy else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

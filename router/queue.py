@@ -1,0 +1,127 @@
+"""The wait queue: requests wait here when every eligible worker is at its limit.
+
+Orders (``QueueOrder``):
+
+- FCFS: arrival order.
+- UNCACHED: fewest estimated uncached tokens first (shortest-prefill-first). Good
+  for mean TTFT, but a long prompt can wait forever behind a stream of short ones.
+- AGED: key(t) = uncached_tokens - aging_tokens_per_s * (t - arrival). Every waiting
+  request ages at the same rate, so the relative order of two requests never
+  changes while both wait and the key reduces to the static
+  ``uncached_tokens + aging_tokens_per_s * arrival`` (a plain heap works).
+  Starvation-free: a request (u, a) is served before any request that arrives
+  after a + u / aging_tokens_per_s, because that request's key exceeds u + rate*a
+  even with zero uncached tokens; so at most the finitely many requests arriving
+  in that window can overtake it.
+
+Pure and clock-free: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from router.config import QueueConfig, QueueOrder
+
+T = TypeVar("T")
+
+
+@dataclass(order=True)
+class _Entry(Generic[T]):
+    key: tuple[float, int]
+    arrival: float = field(compare=False)
+    uncached: int = field(compare=False)
+    item: T = field(compare=False)
+    live: bool = field(default=True, compare=False)
+
+
+class PendingQueue(Generic[T]):
+    """A priority queue of waiting items with cancellation and expiry."""
+
+    def __init__(self, cfg: QueueConfig) -> None:
+        self.cfg = cfg
+        self._heap: list[_Entry[T]] = []
+        self._fifo: list[_Entry[T]] = []  # arrival order, for expiry scans
+        self._seq = itertools.count()
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __repr__(self) -> str:
+        return f"PendingQueue(order={self.cfg.order.value}, depth={self._live})"
+
+    def key(self, uncached: int, arrival: float, seq: int) -> tuple[float, int]:
+        order = self.cfg.order
+        if order is QueueOrder.FCFS:
+            return (arrival, seq)
+        if order is QueueOrder.UNCACHED:
+            return (float(uncached), seq)
+        return (uncached + self.cfg.aging_tokens_per_s * arrival, seq)
+
+    def full(self) -> bool:
+        return self._live >= self.cfg.max_depth
+
+    def push(self, item: T, uncached_tokens: int, now: float) -> _Entry[T]:
+        """Add an item; returns a handle for ``cancel``. Raises OverflowError when full."""
+        if self.full():
+            raise OverflowError(f"wait queue is full ({self.cfg.max_depth} requests)")
+        seq = next(self._seq)
+        e = _Entry(self.key(uncached_tokens, now, seq), now, uncached_tokens, item)
+        heapq.heappush(self._heap, e)
+        self._fifo.append(e)
+        self._live += 1
+        return e
+
+    def peek(self) -> T | None:
+        self._drop_dead()
+        return self._heap[0].item if self._heap else None
+
+    def pop(self) -> T:
+        """Remove and return the head. Raises IndexError when empty."""
+        self._drop_dead()
+        if not self._heap:
+            raise IndexError("pop from an empty PendingQueue")
+        e = heapq.heappop(self._heap)
+        e.live = False
+        self._live -= 1
+        return e.item
+
+    def cancel(self, handle: _Entry[T]) -> bool:
+        """Remove a waiting item (e.g. its client went away). False if already gone."""
+        if not handle.live:
+            return False
+        handle.live = False
+        self._live -= 1
+        return True
+
+    def expire(self, now: float) -> list[T]:
+        """Remove and return every item that has waited longer than max_wait_s."""
+        out: list[T] = []
+        limit = now - self.cfg.max_wait_s
+        k = 0
+        while k < len(self._fifo) and self._fifo[k].arrival <= limit:
+            e = self._fifo[k]
+            if e.live:
+                e.live = False
+                self._live -= 1
+                out.append(e.item)
+            k += 1
+        if k:
+            del self._fifo[:k]
+        return out
+
+    def oldest_arrival(self) -> float | None:
+        for e in self._fifo:
+            if e.live:
+                return e.arrival
+        return None
+
+    def _drop_dead(self) -> None:
+        while self._heap and not self._heap[0].live:
+            heapq.heappop(self._heap)
+        if len(self._fifo) > 64 and len(self._fifo) > 2 * self._live:
+            self._fifo = [e for e in self._fifo if e.live]

@@ -1,0 +1,109 @@
+"""Turn a request body into what routing needs: block hashes, token estimate, media keys.
+
+Pure. Understands OpenAI ``/v1/completions`` (``prompt``), ``/v1/chat/completions``
+(``messages``, text and multimodal parts) and SGLang ``/generate`` (``text`` or
+``input_ids``, ``image_data``/``audio_data``/``video_data``). Token ids are hashed
+in blocks of ``block_tokens``; text in chunks of ``block_tokens * chars_per_token``
+characters, with tokens estimated as ``len(text) / chars_per_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xxhash
+
+from router.config import PrefixConfig
+from router.prefix import chain_text_hashes, chain_token_hashes
+
+
+class BadRequest(ValueError):
+    """The body cannot be routed; the message is sent back to the client with a 400."""
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    hashes: list[int]
+    n_tokens: int
+    media_keys: list[str] = field(default_factory=list)
+    stream: bool = False
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.hashes)
+
+
+_MEDIA_PARTS = {"image_url": "url", "video_url": "url", "audio_url": "url", "input_audio": "data"}
+
+
+def parse_request(path: str, body: object, cfg: PrefixConfig) -> ParsedRequest:
+    """Extract routing inputs from a decoded JSON body. Raises BadRequest with a clear message."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    media: list[str] = []
+    stream = bool(body.get("stream", False))
+    if path.endswith("/chat/completions"):
+        text = _chat_text(body.get("messages"), media)
+        return _from_text(text, cfg, media, stream)
+    if path.endswith("/completions"):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # batch: route by the first prompt
+        return _from_prompt(prompt, cfg, media, stream, "prompt")
+    # SGLang /generate
+    for k in ("image_data", "audio_data", "video_data"):
+        v = body.get(k)
+        for item in v if isinstance(v, list) else [v]:
+            if isinstance(item, str) and item:
+                media.append(_media_key(item))
+    if "input_ids" in body:
+        return _from_prompt(body["input_ids"], cfg, media, stream, "input_ids")
+    return _from_prompt(body.get("text"), cfg, media, stream, "text")
+
+
+def _from_prompt(prompt: object, cfg: PrefixConfig, media: list[str], stream: bool, name: str) -> ParsedRequest:
+    if isinstance(prompt, str):
+        return _from_text(prompt, cfg, media, stream)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return ParsedRequest(chain_token_hashes(prompt, cfg.block_tokens), len(prompt), media, stream)
+    raise BadRequest(f"'{name}' must be a string or a list of integer token ids")
+
+
+def _from_text(text: str, cfg: PrefixConfig, media: list[str], stream: bool) -> ParsedRequest:
+    hashes = chain_text_hashes(text, cfg.block_tokens * cfg.chars_per_token)
+    return ParsedRequest(hashes, len(text) // cfg.chars_per_token, media, stream)
+
+
+def _chat_text(messages: object, media: list[str]) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise BadRequest("each message must be an object with 'role' and 'content'")
+        parts.append(f"<|{m['role']}|>")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for p in content:
+                if not isinstance(p, dict):
+                    raise BadRequest("message content parts must be objects with a 'type'")
+                kind = p.get("type")
+                if kind == "text":
+                    parts.append(str(p.get("text", "")))
+                elif kind in _MEDIA_PARTS:
+                    ref = p.get(kind)
+                    val = ref.get(_MEDIA_PARTS[kind]) if isinstance(ref, dict) else ref
+                    if isinstance(val, str) and val:
+                        key = _media_key(val)
+                        media.append(key)
+                        parts.append(f"<|media:{key}|>")
+        elif content is not None:
+            raise BadRequest("message 'content' must be a string or a list of parts")
+    return "\n".join(parts)
+
+
+def _media_key(data: str) -> str:
+    """Content hash of an inline media payload, or of the URL for a reference."""
+    return xxhash.xxh3_128_hexdigest(data.encode())

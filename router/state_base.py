@@ -1,0 +1,109 @@
+"""The routing-state interface shared by the in-memory and the Redis backends.
+
+Everything a router replica decides from lives behind this interface: the
+worker list and health, the approximate prefix index, the in-flight load and
+the round-robin ticket. One concurrency model: every method is a coroutine.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.config import WorkerSpec
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A worker as seen at one instant: its spec, health, prefix match and load."""
+
+    spec: WorkerSpec
+    healthy: bool
+    matched_blocks: int
+    inflight_requests: int
+    pending_tokens: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def bucket(self) -> int | None:
+        return self.spec.bucket
+
+
+@dataclass
+class Lease:
+    """One admitted request's share of a worker's load; released exactly once."""
+
+    worker: str
+    tokens: int
+    prefilled: bool = False
+    released: bool = False
+
+
+@dataclass
+class LoadTable:
+    """Plain per-worker counters (requests, pending prefill tokens); never negative."""
+
+    reqs: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, worker: str, dreqs: int, dtokens: int) -> None:
+        self.reqs[worker] = max(0, self.reqs.get(worker, 0) + dreqs)
+        self.tokens[worker] = max(0, self.tokens.get(worker, 0) + dtokens)
+
+    def get(self, worker: str) -> tuple[int, int]:
+        return self.reqs.get(worker, 0), self.tokens.get(worker, 0)
+
+    def total_requests(self) -> int:
+        return sum(self.reqs.values())
+
+
+class RouterState(abc.ABC):
+    """Async state backend. ``acquire`` is atomic: check the limit and count the request
+    in one step, so concurrent replicas never admit past ``max_inflight``."""
+
+    @property
+    def degraded(self) -> bool:
+        """True while serving from local state because the shared store is unreachable."""
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    async def add_worker(self, spec: WorkerSpec) -> None: ...
+
+    @abc.abstractmethod
+    async def remove_worker(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def list_workers(self) -> list[WorkerSpec]: ...
+
+    @abc.abstractmethod
+    async def set_health(self, name: str, healthy: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
+        """Every known worker with its match length for ``hashes`` and its load, sorted by name."""
+
+    @abc.abstractmethod
+    async def next_ticket(self) -> int: ...
+
+    @abc.abstractmethod
+    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
+        """Count one request of ``tokens`` uncached tokens on ``worker`` and record its
+        prefix, unless the worker already has ``limit`` in flight (then None)."""
+
+    @abc.abstractmethod
+    async def prefill_done(self, lease: Lease) -> None:
+        """The worker started answering: its prefill tokens no longer count as pending."""
+
+    @abc.abstractmethod
+    async def release(self, lease: Lease) -> None:
+        """The request finished (or failed): undo whatever the lease still counts."""

@@ -1,0 +1,87 @@
+"""A fake inference worker: an aiohttp app that keeps a prefix cache of the prompts
+it served (text chunks) and reports cached tokens like SGLang/vLLM do.
+
+Test controls, in the request body (ignored by the router, forwarded byte-exact):
+  "fail": 500        answer with that status and a JSON error
+  "hold": true       wait until POST /release before answering
+  "chunks": 3        with "stream": true, send that many SSE events; between events
+                     wait for POST /release when "gate" is true
+Every answer includes the sha256 of the body the worker received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+from aiohttp import web
+
+CHUNK = 64  # characters per cached block
+
+
+class FakeWorker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cache: set[str] = set()
+        self.healthy = True
+        self.served = 0
+        self.active = 0
+        self.gate = asyncio.Event()
+        self.bodies: list[bytes] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            app.router.add_post(path, self.infer)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/release", self.release)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.gate.set()
+        return web.json_response({"released": True})
+
+    def _cached_tokens(self, text: str) -> int:
+        n, prev = 0, ""
+        for i in range(0, len(text) - CHUNK + 1, CHUNK):
+            prev = hashlib.sha1((prev + text[i : i + CHUNK]).encode()).hexdigest()
+            if prev in self.cache:
+                n += CHUNK // 4
+            self.cache.add(prev)
+        return n
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.bodies.append(raw)
+        body = json.loads(raw)
+        digest = hashlib.sha256(raw).hexdigest()
+        if body.get("fail"):
+            return web.json_response({"error": {"message": "upstream exploded"}}, status=int(body["fail"]))
+        self.active += 1
+        try:
+            if body.get("hold"):
+                await self.gate.wait()
+            text = body.get("prompt") or body.get("text") or json.dumps(body.get("messages"))
+            cached = self._cached_tokens(text if isinstance(text, str) else json.dumps(text))
+            self.served += 1
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for i in range(int(body.get("chunks", 3))):
+                    if body.get("gate") and i > 0:
+                        await self.gate.wait()
+                        self.gate.clear()
+                    await resp.write(f"data: {json.dumps({'i': i, 'worker': self.name})}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            return web.json_response({
+                "worker": self.name, "sha256": digest,
+                "usage": {"prompt_tokens_details": {"cached_tokens": cached}},
+            })
+        finally:
+            self.active -= 1

@@ -1,0 +1,215 @@
+"""The HTTP proxy in memory mode against fake workers on real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+
+import aiohttp
+
+from router.config import QueueConfig, WorkerSpec
+from router.proxy import APP_KEY, build_app
+from tests.router.conftest import poll, serve_app, test_config
+from tests.router.fakeworker import FakeWorker
+
+SYSTEM = "You are a helpful assistant. " * 10  # ~290 chars: 4 blocks of 64 chars
+
+
+@contextlib.asynccontextmanager
+async def fleet(n=3, cfg=None, specs=None):
+    fakes = [FakeWorker(f"w{i}") for i in range(n)]
+    async with contextlib.AsyncExitStack() as st:
+        urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
+        app = build_app(cfg or test_config(), [WorkerSpec(u, **(specs or {})) for u in urls])
+        rurl = await st.enter_async_context(serve_app(app))
+        session = await st.enter_async_context(aiohttp.ClientSession())
+        yield rurl, session, dict(zip(urls, fakes, strict=True)), app[APP_KEY]
+
+
+async def inflight_total(router):
+    return sum(s.inflight_requests + s.pending_tokens for s in await router.state.snapshot(()))
+
+
+async def counters_zero(router):
+    return await inflight_total(router) == 0
+
+
+def test_forwarding_is_byte_exact_and_cache_affine():
+    async def main():
+        async with fleet() as (url, s, fakes, _router):
+            raw = b'{"prompt":  "' + (SYSTEM + "conversation one " * 20).encode() + b'", "max_tokens": 3}'
+            async with s.post(url + "/v1/completions", data=raw,
+                              headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200
+                first = await r.json()
+                w1 = r.headers["X-Gcache-Worker"]
+            assert first["sha256"] == hashlib.sha256(raw).hexdigest()
+            assert fakes[w1].bodies[-1] == raw
+            for _ in range(3):  # the same conversation keeps going to the worker that has it
+                async with s.post(url + "/v1/completions", data=raw) as r:
+                    body = await r.json()
+                    assert r.headers["X-Gcache-Worker"] == w1
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            # a different conversation sharing only the system prompt is balanced elsewhere
+            async with s.post(url + "/v1/chat/completions", json={"messages": [
+                    {"role": "user", "content": "an unrelated question " * 30}]}) as r:
+                assert r.status == 200
+    asyncio.run(main())
+
+
+def test_streaming_passes_through_chunk_by_chunk():
+    async def main():
+        async with fleet(n=1) as (url, s, fakes, router):
+            fake = next(iter(fakes.values()))
+            async with s.post(url + "/generate", json={"text": "hi", "stream": True, "chunks": 3, "gate": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                got = await r.content.readuntil(b"\n\n")  # arrives while the worker still holds the rest
+                assert json.loads(got[len(b"data: "):]) == {"i": 0, "worker": "w0"}
+                snap = await router.state.snapshot(())
+                assert snap[0].inflight_requests == 1 and snap[0].pending_tokens == 0  # prefill done
+                fake.gate.set()
+                got = await r.content.readuntil(b"\n\n")
+                assert b'"i": 1' in got
+                fake.gate.set()
+                rest = await r.read()
+                assert rest.endswith(b"data: [DONE]\n\n")
+            await poll(lambda: counters_zero(router), what="in-flight counters back to zero")
+    asyncio.run(main())
+
+
+def test_bad_requests_get_clear_4xx_and_the_router_survives():
+    async def main():
+        cfg = test_config(max_body_bytes=2048)
+        async with fleet(n=1, cfg=cfg) as (url, s, _fakes, _router):
+            cases = [
+                ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
+                ("POST", "/v1/completions", b'{"prompt": 42}', 400, "'prompt' must be"),
+                ("POST", "/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages' must be"),
+                ("POST", "/v1/completions", b'{"prompt": "' + b"x" * 4096 + b'"}', 413, "exceeds the limit"),
+                ("POST", "/v1/embeddings", b"{}", 404, "unknown route"),
+                ("GET", "/v1/completions", b"", 405, "not allowed"),
+                ("DELETE", "/admin/workers", b"", 400, "?url="),
+            ]
+            for method, path, data, status, msg in cases:
+                async with s.request(method, url + path, data=data) as r:
+                    body = await r.json()
+                    assert r.status == status, (path, r.status, body)
+                    assert msg in body["error"]["message"], body
+            async with s.post(url + "/v1/completions", json={"prompt": "still alive"}) as r:
+                assert r.status == 200
+    asyncio.run(main())
+
+
+def test_upstream_error_is_passed_back_and_counters_return_to_zero():
+    async def main():
+        async with fleet(n=2) as (url, s, _fakes, router):
+            async with s.post(url + "/v1/completions", json={"prompt": "boom " * 50, "fail": 503}) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["message"] == "upstream exploded"
+            await poll(lambda: counters_zero(router), what="in-flight counters back to zero")
+            metrics = await (await s.get(url + "/metrics")).text()
+            assert 'gcache_router_requests_total{route="/v1/completions",status="503"} 1.0' in metrics
+    asyncio.run(main())
+
+
+def test_unreachable_worker_gives_502_then_health_check_removes_and_restores_it():
+    async def main():
+        fake = FakeWorker("w0")
+        cfg = test_config()
+        async with serve_app(fake.app()) as good, aiohttp.ClientSession() as s:
+            dead = "http://127.0.0.1:9"  # discard port: nothing listens
+            app = build_app(cfg, [WorkerSpec(good), WorkerSpec(dead)])
+            async with serve_app(app) as url:
+                router = app[APP_KEY]
+
+                async def healthy(name):
+                    return {w.name: w.healthy for w in await router.state.snapshot(())}[name]
+
+                await poll(lambda: _not(healthy(dead)), what="dead worker marked down")
+                for _ in range(4):
+                    async with s.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                        assert r.status == 200 and r.headers["X-Gcache-Worker"] == good
+                fake.healthy = False
+                await poll(lambda: _not(healthy(good)), what="failing worker marked down")
+                async with s.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                    assert r.status == 503 and "no healthy worker" in (await r.json())["error"]["message"]
+                fake.healthy = True
+                await poll(lambda: healthy(good), what="recovered worker back")
+                async with s.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                    assert r.status == 200
+    asyncio.run(main())
+
+
+async def _not(coro):
+    return not await coro
+
+
+def test_admin_api_add_list_remove():
+    async def main():
+        async with fleet(n=1) as (url, s, fakes, _router):
+            extra = FakeWorker("extra")
+            async with serve_app(extra.app()) as eurl:
+                async with s.post(url + "/admin/workers", json={"url": eurl, "max_inflight": 7}) as r:
+                    assert r.status == 201
+                async with s.post(url + "/admin/workers", json={"url": "ftp://x"}) as r:
+                    assert r.status == 400 and "http://" in (await r.json())["error"]["message"]
+                listed = (await (await s.get(url + "/admin/workers")).json())["workers"]
+                assert {w["url"] for w in listed} == {*fakes, eurl}
+                assert [w["max_inflight"] for w in listed if w["url"] == eurl] == [7]
+                async with s.delete(url + "/admin/workers", params={"url": eurl}) as r:
+                    assert r.status == 200
+                async with s.delete(url + "/admin/workers", params={"url": eurl}) as r:
+                    assert r.status == 404
+                listed = (await (await s.get(url + "/admin/workers")).json())["workers"]
+                assert {w["url"] for w in listed} == set(fakes)
+    asyncio.run(main())
+
+
+def test_full_workers_queue_then_503_with_retry_after():
+    async def main():
+        cfg = test_config(queue=QueueConfig(max_wait_s=0.3))
+        async with fleet(n=1, cfg=cfg, specs={"max_inflight": 1}) as (url, s, fakes, router):
+            fake = next(iter(fakes.values()))
+            held = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "a", "hold": True}))
+            await poll(lambda: fake.active == 1, what="first request held")
+            async with s.post(url + "/v1/completions", json={"prompt": "b"}) as r:
+                assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+                assert "no worker slot freed" in (await r.json())["error"]["message"]
+            waiting = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "c"}))
+            await poll(lambda: router.admission.depth() == 1, what="request queued")
+            fake.gate.set()
+            r1, r2 = await held, await waiting
+            assert r1.status == 200 and r2.status == 200
+            r1.release()
+            r2.release()
+            metrics = await (await s.get(url + "/metrics")).text()
+            assert 'gcache_router_rejected_total{reason="queue_timeout"} 1.0' in metrics
+            assert "gcache_router_queue_wait_seconds_count 1.0" in metrics
+            await poll(lambda: counters_zero(router), what="in-flight counters back to zero")
+    asyncio.run(main())
+
+
+def test_media_requests_stick_to_one_encoder():
+    async def main():
+        fakes = [FakeWorker(f"e{i}") for i in range(3)]
+        async with contextlib.AsyncExitStack() as st:
+            urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
+            llm = FakeWorker("llm")
+            lurl = await st.enter_async_context(serve_app(llm.app()))
+            specs = [WorkerSpec(u, role="encoder") for u in urls] + [WorkerSpec(lurl)]
+            url = await st.enter_async_context(serve_app(build_app(test_config(), specs)))
+            s = await st.enter_async_context(aiohttp.ClientSession())
+            chosen = {}
+            for img in ("AAAA", "BBBB", "CCCC", "DDDD"):
+                for q in ("what is this?", "describe it"):
+                    body = {"messages": [{"role": "user", "content": [
+                        {"type": "text", "text": q}, {"type": "image_url", "image_url": {"url": img}}]}]}
+                    async with s.post(url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200
+                        chosen.setdefault(img, set()).add(r.headers["X-Gcache-Worker"])
+            assert all(len(v) == 1 and next(iter(v)) in urls for v in chosen.values())
+            async with s.post(url + "/v1/completions", json={"prompt": "text only"}) as r:
+                assert r.headers["X-Gcache-Worker"] == lurl
+    asyncio.run(main())

@@ -1,0 +1,127 @@
+"""Stateless replicas sharing a real redis-server: agreement, counters, outage and resync."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from router.config import StateMode, WorkerSpec
+from router.proxy import APP_KEY, build_app
+from tests.router.conftest import poll, serve_app, test_config
+from tests.router.fakeworker import FakeWorker
+
+
+@contextlib.asynccontextmanager
+async def replicas(redis_url, n_workers=3, n_replicas=2, max_inflight=64, ns="t"):
+    fakes = [FakeWorker(f"w{i}") for i in range(n_workers)]
+    async with contextlib.AsyncExitStack() as st:
+        urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
+        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="gcache")
+        apps = [build_app(cfg, [WorkerSpec(u, max_inflight=max_inflight) for u in urls]) for _ in range(n_replicas)]
+        rurls = [await st.enter_async_context(serve_app(a)) for a in apps]
+        s = await st.enter_async_context(aiohttp.ClientSession())
+        yield rurls, s, dict(zip(urls, fakes, strict=True)), [a[APP_KEY] for a in apps]
+
+
+def conv_hashes(router, i):
+    from router.request import parse_request
+    return parse_request("/v1/completions", {"prompt": conv(i)}, router.cfg.prefix).hashes
+
+
+def conv(i):
+    return "shared system prompt. " * 4 + f"conversation {i} " * 40
+
+
+def test_two_replicas_agree_on_placement_and_state(redis_proc):
+    async def main():
+        async with replicas(redis_proc.url) as (rurls, s, _fakes, routers):
+            first = {}
+            for i in range(6):
+                async with s.post(rurls[i % 2] + "/v1/completions", json={"prompt": conv(i)}) as r:
+                    assert r.status == 200
+                    first[i] = r.headers["X-Gcache-Worker"]
+            assert len(set(first.values())) > 1  # load spreads new conversations
+            for i in range(6):  # the other replica sends each conversation to the same worker
+                async with s.post(rurls[(i + 1) % 2] + "/v1/completions", json={"prompt": conv(i) + "more"}) as r:
+                    assert r.headers["X-Gcache-Worker"] == first[i]
+
+            async def idle():
+                return all(w.inflight_requests == 0 for w in await routers[0].state.snapshot(()))
+            await poll(idle, what="all requests finished")
+            views = [await rt.state.snapshot(conv_hashes(routers[0], 3)) for rt in routers]
+            assert views[0] == views[1]
+            assert max(w.matched_blocks for w in views[0]) > 2  # both see the same prefix index
+    asyncio.run(main())
+
+
+def test_counters_stay_consistent_under_concurrent_load(redis_proc):
+    async def main():
+        async with replicas(redis_proc.url, max_inflight=3) as (rurls, s, fakes, routers):
+            reqs = [asyncio.ensure_future(s.post(rurls[i % 2] + "/v1/completions",
+                                                 json={"prompt": conv(i), "hold": True})) for i in range(15)]
+            await poll(lambda: sum(f.active for f in fakes.values()) == 9, what="all 9 slots busy")
+            for rt in routers:
+                snap = {w.name: w.inflight_requests for w in await rt.state.snapshot(())}
+                assert snap == {u: f.active for u, f in fakes.items()} == {u: 3 for u in fakes}
+            assert sum(rt.admission.depth() for rt in routers) == 6  # the rest wait, none over the limit
+            for f in fakes.values():
+                f.gate.set()
+            statuses = [r.status for r in await asyncio.gather(*reqs)]
+            assert statuses == [200] * 15
+            assert sum(f.served for f in fakes.values()) == 15
+
+            async def zero():
+                snaps = [await rt.state.snapshot(()) for rt in routers]
+                return all(w.inflight_requests == 0 and w.pending_tokens == 0 for sn in snaps for w in sn)
+            await poll(zero, what="counters back to zero on both replicas")
+    asyncio.run(main())
+
+
+def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
+    async def main():
+        async with replicas(redis_proc.url, n_workers=2, n_replicas=1, ns="o") as (rurls, s, fakes, routers):
+            url, router = rurls[0], routers[0]
+            async with s.post(url + "/v1/completions", json={"prompt": conv(1)}) as r:
+                assert r.status == 200
+            held = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": conv(2), "hold": True}))
+            await poll(lambda: sum(f.active for f in fakes.values()) == 1, what="held request")
+            holder = next(u for u, f in fakes.items() if f.active)
+
+            redis_proc.kill()
+            for i in range(3, 6):
+                async with s.post(url + "/v1/completions", json={"prompt": conv(i)}) as r:
+                    assert r.status == 200
+                    outage_worker = r.headers["X-Gcache-Worker"]
+            health = await (await s.get(url + "/health")).json()
+            assert health["state"] == "degraded"
+            metrics = await (await s.get(url + "/metrics")).text()
+            assert "gcache_router_redis_up 0.0" in metrics
+
+            redis_proc.start()  # a fresh, empty Redis on the same port
+            await poll(lambda: _state_is(s, url, "redis"), what="router back on redis")
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                assert len(await rc.hgetall("o:workers")) == 2
+                assert await rc.zcard(f"o:px:{outage_worker}") > 0  # prefix records made offline
+                snap = {w.name: w.inflight_requests for w in await router.state.snapshot(())}
+                assert snap[holder] == 1  # the held request's count was pushed back
+                for f in fakes.values():
+                    f.gate.set()
+                assert (await held).status == 200
+
+                async def zero():
+                    return all(w.inflight_requests == 0 for w in await router.state.snapshot(()))
+                await poll(zero, what="counter back to zero after resync")
+                metrics = await (await s.get(url + "/metrics")).text()
+                assert "gcache_router_redis_up 1.0" in metrics
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
+
+
+async def _state_is(s, url, want):
+    async with s.get(url + "/health") as r:
+        return (await r.json())["state"] == want
