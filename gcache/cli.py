@@ -33,7 +33,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from gcache.cluster import LocalCluster
 
     cluster = LocalCluster(nodes=args.nodes_count, mem=args.mem, disk=args.disk_size if args.disk else None,
-                           root=args.dir)
+                           root=args.dir, masters=args.masters)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -46,6 +46,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"gcache: {len(cluster.daemons)} daemons up (data in {cluster.root}); Ctrl-C stops them")
     for d in cluster.daemons:
         print(f"  {d.node_id}  {d.address}  pid {d.pid}")
+    if cluster.master_procs:
+        for m in cluster.master_procs:
+            print(f"  master {m.node_id}  {m.address}  pid {m.pid}")
+        print(f"export GCACHE_MASTERS={cluster.master_url}")
+        print(f"export GCACHE_TOKEN_FILE={cluster.token_file}")
     print(f"export GCACHE_NODES={','.join(cluster.addresses)}", flush=True)
     try:
         while not stop.wait(0.5):
@@ -57,6 +62,82 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
         print("gcache: cluster stopped")
+
+
+def _master_client(args: argparse.Namespace):
+    import os
+
+    from gcache.meta.master_client import MasterClient
+    from gcache.meta.rpc import load_token
+
+    url = args.masters or os.environ.get("GCACHE_MASTERS")
+    if not url:
+        raise SystemExit(f"gcache {args.cmd}: give --masters gcache://HOST:PORT,... or set GCACHE_MASTERS")
+    return MasterClient(url, load_token(args.token_file or os.environ.get("GCACHE_TOKEN_FILE")))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gcache.sizes import format_size
+
+    mc = _master_client(args)
+    try:
+        out = mc.call("Status", {})
+    finally:
+        mc.close()
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    m = out["membership"]
+    info = out["master"]
+    print(f"epoch {m['epoch']}   leader {info.get('leader')}   answered by {info.get('grpc')}")
+    if m.get("transition"):
+        print(f"handover in progress (epoch {m['transition']['epoch']}): waiting for "
+              f"{', '.join(m['transition']['pending'])}")
+    stats: dict = {}
+    if m["nodes"]:
+        from gcache.client import Client
+        from gcache.meta.membership import Membership
+
+        try:
+            with Client(Membership.from_master(m), token=mc.token, timeout_s=1.0) as c:
+                stats = c.stats()
+        except GCacheError:
+            stats = {}
+    print(f"{'node':<10} {'address':<22} {'state':<9} {'inc':>4} {'capacity':>10} {'used':>10} {'keys':>8} {'hb age':>7}")
+    for r in m["nodes"]:
+        s = stats.get(r["id"], {})
+        used = s.get("ram_used", 0) + s.get("disk_used", 0)
+        keys = s.get("ram_keys", 0) + s.get("disk_keys", 0)
+        age = out.get("heartbeat_age_s", {}).get(r["id"])
+        print(f"{r['id']:<10} {r['address']:<22} {r['state'].upper():<9} {r['inc']:>4} "
+              f"{format_size(r['capacity']):>10} {format_size(used) if s and 'error' not in s else '-':>10} "
+              f"{keys if s and 'error' not in s else '-':>8} {'-' if age is None else f'{age:.1f}s':>7}")
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import time
+
+    mc = _master_client(args)
+    try:
+        out = mc.call("Drain", {"node": args.node}, timeout_s=5.0)
+        print(f"draining {args.node} (epoch {out['epoch']}); its keys move to their new owners")
+        if args.no_wait:
+            return 0
+        deadline = time.monotonic() + args.timeout
+        t0 = time.monotonic()
+        while time.monotonic() < deadline:
+            m = mc.membership()
+            if not any(r["id"] == args.node for r in m["nodes"]):
+                print(f"{args.node} drained and left the cluster in {time.monotonic() - t0:.1f}s (epoch {m['epoch']})")
+                return 0
+            print(f"  waiting for {args.node} to hand its keys over ({time.monotonic() - t0:.0f}s)", end="\r",
+                  flush=True)
+            time.sleep(0.2)
+        print(f"gcache drain: {args.node} did not finish within {args.timeout}s", file=sys.stderr)
+        return 1
+    finally:
+        mc.close()
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -106,6 +187,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"{node:<22} {format_size(s.get('ram_used', 0)):>10} {s.get('ram_keys', 0):>9} "
               f"{format_size(s.get('disk_used', 0)):>10} {s.get('disk_keys', 0):>9} {s.get('hits_ram', 0):>9} "
               f"{s.get('hits_nvme', 0):>9} {s.get('misses', 0):>8} {s.get('evictions', 0):>8}")
+    endpoints = {node: s["metrics_address"] for node, s in stats.items() if s.get("metrics_address")}
+    if endpoints:  # daemons started with --metrics-port: a cluster table from their Prometheus metrics
+        from gcache.server.metrics import cluster_table
+
+        print()
+        print(cluster_table(endpoints))
     return 0
 
 
@@ -119,12 +206,34 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_arguments(d)
     d.set_defaults(fn=daemon.run)
 
+    from gcache.meta import master
+
+    m = sub.add_parser("master", help="run one master of the Raft-replicated membership group")
+    master.add_arguments(m)
+    m.set_defaults(fn=master.run)
+
+    st = sub.add_parser("status", help="membership table (node, state, epoch, capacity, used, keys) from any master")
+    st.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
+    st.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
+    st.add_argument("--json", action="store_true", help="print raw JSON")
+    st.set_defaults(fn=cmd_status)
+
+    dr = sub.add_parser("drain", help="drain a node: its keys move to their new owners, hottest first, then it leaves")
+    dr.add_argument("node", help="node id to drain")
+    dr.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
+    dr.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
+    dr.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many seconds")
+    dr.add_argument("--no-wait", action="store_true", help="return once the drain has started")
+    dr.set_defaults(fn=cmd_drain)
+
     u = sub.add_parser("up", help="start a local cluster of daemons as real processes; Ctrl-C stops them")
     u.add_argument("--nodes", dest="nodes_count", type=int, default=3, help="number of daemons (default %(default)s)")
     u.add_argument("--mem", default="256MiB", help="RAM arena per daemon (default %(default)s)")
     u.add_argument("--disk", action="store_true", help="give each daemon an NVMe tier under --dir")
     u.add_argument("--disk-size", default="1GiB", help="NVMe budget per daemon with --disk (default %(default)s)")
     u.add_argument("--dir", default=None, help="directory for daemon data and logs (default: a temporary one)")
+    u.add_argument("--masters", type=int, default=0, choices=(0, 1, 3, 5),
+                   help="also run a Raft master group of this size (daemons register with it)")
     u.set_defaults(fn=cmd_up)
 
     def data_cmd(name: str, help_: str) -> argparse.ArgumentParser:

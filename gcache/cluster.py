@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,57 +26,115 @@ class DaemonProc:
     log_path: str
     proc: subprocess.Popen | None = None
     address: str = ""
+    kind: str = "daemon"
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc else -1
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class LocalCluster:
     """``nodes`` daemons with ``mem`` of RAM each and, when ``disk`` is set, an NVMe tier of
     that size in a directory of their own under ``root`` (a temporary directory by default).
-    Each daemon listens on a free loopback port it picks itself and reports it in a ready file."""
+    Each daemon listens on a free loopback port it picks itself and reports it in a ready file.
+    With ``masters`` (1, 3 or 5) a Raft master group runs too, the daemons register with it, and
+    everything shares a generated cluster token (``token_file``)."""
 
     nodes: int = 3
     mem: str = "256MiB"
     disk: str | None = None
     root: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    masters: int = 0
+    master_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 30.0
     daemons: list[DaemonProc] = field(default_factory=list)
+    master_procs: list[DaemonProc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
+        if self.nodes < 0 or (self.nodes == 0 and not self.masters):
             raise ValueError("a cluster needs at least one node")
+        if self.masters not in (0, 1, 3, 5):
+            raise ValueError("masters must be 0, 1, 3 or 5")
         self._own_root = self.root is None
         self.root = self.root or tempfile.mkdtemp(prefix="gcache-cluster-")
+        self.token_file = os.path.join(self.root, "token") if self.masters else None
+        self.token: str | None = None
 
     @property
     def addresses(self) -> list[str]:
-        return [d.address for d in self.daemons]
+        return [d.address for d in self.daemons if d.proc is not None]
+
+    @property
+    def master_url(self) -> str:
+        return "gcache://" + ",".join(m.address for m in self.master_procs)
 
     def start(self) -> LocalCluster:
         assert self.root is not None
-        for i in range(self.nodes):
-            node_dir = os.path.join(self.root, f"node{i}")
-            os.makedirs(node_dir, exist_ok=True)
-            disk_dir = os.path.join(node_dir, "disk") if self.disk else None
-            args = ["--mem", self.mem, *self.extra_args]
-            if disk_dir:
-                args += ["--disk", disk_dir, "--disk-size", self.disk]
-            self.daemons.append(DaemonProc(i, f"node{i}", disk_dir, os.path.join(node_dir, "ready"), args,
-                                           os.path.join(node_dir, "daemon.log")))
+        if self.masters:
+            self._start_masters()
+        for _ in range(self.nodes):
+            self._new_daemon()
         for d in self.daemons:
             self._spawn(d, "127.0.0.1:0")
         for d in self.daemons:
             self._wait_ready(d)
         return self
 
+    def _new_daemon(self) -> DaemonProc:
+        assert self.root is not None
+        i = len(self.daemons)
+        node_dir = os.path.join(self.root, f"node{i}")
+        os.makedirs(node_dir, exist_ok=True)
+        disk_dir = os.path.join(node_dir, "disk") if self.disk else None
+        args = ["--mem", self.mem, *self.extra_args]
+        if disk_dir:
+            args += ["--disk", disk_dir, "--disk-size", self.disk]
+        if self.masters:
+            args += ["--masters", self.master_url, "--token-file", str(self.token_file)]
+        d = DaemonProc(i, f"node{i}", disk_dir, os.path.join(node_dir, "ready"), args,
+                       os.path.join(node_dir, "daemon.log"))
+        self.daemons.append(d)
+        return d
+
+    def add_node(self) -> DaemonProc:
+        """Start one more daemon (it registers and takes its share of the ring)."""
+        d = self._new_daemon()
+        self._spawn(d, "127.0.0.1:0")
+        self._wait_ready(d)
+        return d
+
+    def _start_masters(self) -> None:
+        assert self.root is not None and self.token_file is not None
+        self.token = secrets.token_hex(16)
+        with open(self.token_file, "w") as f:
+            f.write(self.token + "\n")
+        os.chmod(self.token_file, 0o600)
+        rafts = [f"127.0.0.1:{free_port()}" for _ in range(self.masters)]
+        for i, raft in enumerate(rafts):
+            mdir = os.path.join(self.root, f"master{i}")
+            os.makedirs(mdir, exist_ok=True)
+            args = ["--raft", raft, "--peers", ",".join(rafts), "--token-file", self.token_file,
+                    "--id", f"m{i}", *self.master_args]
+            self.master_procs.append(DaemonProc(i, f"m{i}", None, os.path.join(mdir, "ready"), args,
+                                                os.path.join(mdir, "master.log"), kind="master"))
+        for m in self.master_procs:
+            self._spawn(m, f"127.0.0.1:{free_port()}")
+        for m in self.master_procs:
+            self._wait_ready(m)
+
     def _spawn(self, d: DaemonProc, listen: str) -> None:
         if os.path.exists(d.ready_file):
             os.unlink(d.ready_file)
-        cmd = [sys.executable, "-m", "gcache", "daemon", "--listen", listen, "--node-id", d.node_id,
+        node_flag = ["--node-id", d.node_id] if d.kind == "daemon" else []
+        cmd = [sys.executable, "-m", "gcache", d.kind, "--listen", listen, *node_flag,
                "--ready-file", d.ready_file, *d.args]
         log = open(d.log_path, "ab")
         d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -100,26 +160,28 @@ class LocalCluster:
         except OSError:
             return ""
 
-    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
-        d = self.daemons[index]
+    def kill(self, index: int, sig: int = signal.SIGKILL, master: bool = False) -> None:
+        d = (self.master_procs if master else self.daemons)[index]
         if d.proc is not None and d.proc.poll() is None:
             d.proc.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 d.proc.wait(timeout=30)
 
-    def restart(self, index: int) -> None:
-        """Start a stopped daemon again on the same port and disk directory."""
-        d = self.daemons[index]
+    def restart(self, index: int, master: bool = False) -> None:
+        """Start a stopped daemon (or master) again on the same port and disk directory."""
+        d = (self.master_procs if master else self.daemons)[index]
         if d.proc is not None and d.proc.poll() is None:
             raise GCacheError(f"daemon {d.node_id} is still running")
         self._spawn(d, d.address)
         self._wait_ready(d)
 
     def stop(self) -> None:
-        for d in self.daemons:
+        procs = self.daemons + self.master_procs
+        for d in procs:
             if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGCONT)
                 d.proc.send_signal(signal.SIGTERM)
-        for d in self.daemons:
+        for d in procs:
             if d.proc is None:
                 continue
             try:

@@ -13,6 +13,10 @@ A frame is a fixed header, msgpack metadata, then raw payload bytes::
 Batch requests carry ``{"ns": str, "keys": [bytes, ...]}`` plus per-op fields; replies carry
 ``{"st": [status, ...]}`` with one :class:`Status` per key, plus per-op fields. A reply with the
 ERROR flag carries ``{"code": int, "msg": str}`` and refuses the whole request.
+
+With a master, requests carry the client's membership epoch ``"ep"`` and replies the daemon's;
+a daemon answers NOT_OWNER for a key it does not own when the client's epoch is older than its
+own (``"fb": 1`` marks a deliberate fallback read from a previous owner during a handover).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Op(enum.IntEnum):
     EXISTS = 4
     DELETE = 5
     STATS = 6
+    HELLO = 7  # {"token": str}: first request on a connection when the cluster has a token
 
 
 class Status(enum.IntEnum):
@@ -56,6 +61,7 @@ class Status(enum.IntEnum):
     BUFFER_TOO_SMALL = 5  # client side: the caller's buffer cannot hold the value
     UNAVAILABLE = 6  # client side: the owning node failed (only with errors="miss")
     ERROR = 7  # server-side failure for this key (logged by the daemon)
+    NOT_OWNER = 8  # the client's membership is stale: this node does not own the key now
 
 
 class ErrorCode(enum.IntEnum):
@@ -67,6 +73,8 @@ class ErrorCode(enum.IntEnum):
     BAD_META = 4
     TOO_LARGE = 5
     INTERNAL = 6
+    AUTH = 7  # missing or wrong cluster token
+    FENCED = 8  # the node lost its membership lease and is re-registering; treat as unavailable
 
 
 def pack_header(op: int, flags: int, req_id: int, meta_len: int, payload_len: int) -> bytes:

@@ -19,7 +19,10 @@ from typing import Any
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
-from gcache.errors import CallTimeout, ConfigError, GCacheError, ProtocolError, ServerError
+from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
+from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
+from gcache.meta.master_client import SCHEME, MasterClient
+from gcache.meta.rpc import load_token
 from gcache.meta.membership import Membership
 from gcache.meta.ring import DEFAULT_VNODES, HashRing
 from gcache.protocol import Op, Status, namespace_error
@@ -61,15 +64,19 @@ def _key_bytes(key: KeyLike) -> bytes:
 class Client:
     def __init__(
         self,
-        nodes: Iterable[str] | Membership,
+        nodes: str | Iterable[str] | Membership,
         *,
         namespace: str = "default",
         timeout_s: float = 2.0,
         connect_timeout_s: float = 0.5,
         on_node_error: OnNodeError = OnNodeError.RAISE,
+        token: str | None = None,
         vnodes: int = DEFAULT_VNODES,
         max_idle_per_node: int = 8,
     ) -> None:
+        """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
+        followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
+        the cluster token (default $GCACHE_TOKEN), sent to masters and daemons."""
         err = namespace_error(namespace)
         if err:
             raise ConfigError(err)
@@ -78,14 +85,31 @@ class Client:
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.on_node_error = OnNodeError(on_node_error)
+        self.token = token if token is not None else load_token(None)
         self._vnodes = vnodes
-        self._pool = Pool(connect_timeout_s, max_idle_per_node)
+        self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token)
         self._lock = threading.Lock()
-        membership = nodes if isinstance(nodes, Membership) else Membership.from_addresses(nodes)
-        self.update_membership(membership)
+        self._watcher: MembershipWatcher | None = None
+        self._may_refresh = rate_limited(0.05)
+        if isinstance(nodes, str) and nodes.startswith(SCHEME):
+            self._watcher = MembershipWatcher(MasterClient(nodes, self.token), self.update_membership)
+            first = self._watcher.refresh()
+            if first is None:
+                self._watcher.stop()
+                raise ConfigError(f"no master at {nodes} answered")
+            self.update_membership(first)
+            self._watcher.start()
+        else:
+            membership = nodes if isinstance(nodes, Membership) else Membership.from_addresses(
+                [nodes] if isinstance(nodes, str) else nodes)
+            self.update_membership(membership)
+
+    @property
+    def membership(self) -> Membership:
+        return self._view.membership
 
     def __repr__(self) -> str:
-        return f"Client(namespace={self.namespace!r}, epoch={self.membership.epoch}, nodes={list(self._addr)})"
+        return f"Client(namespace={self.namespace!r}, epoch={self._view.epoch}, nodes={list(self._view.addr)})"
 
     def __enter__(self) -> Client:
         return self
@@ -94,40 +118,66 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         self._pool.close()
 
     # -- membership -------------------------------------------------------------------------
     def update_membership(self, membership: Membership) -> None:
-        """Swap in a new membership; calls already running finish on the old one."""
-        owners = membership.owners()
-        if not owners:
-            raise ConfigError(f"membership epoch {membership.epoch} has no node that owns keys")
-        ring = HashRing({nid: n.weight for nid, n in owners.items()}, self._vnodes)
+        """Swap in a newer membership; calls already running finish on the old one."""
+        current = getattr(self, "_view", None)
+        if current is not None and membership.epoch < current.epoch:
+            return
+        view = RoutingView.build(membership, self._vnodes)
         with self._lock:
-            self.membership = membership
-            self._ring = ring
-            self._addr = {nid: n.address for nid, n in owners.items()}
+            self._view = view
+
+    def refresh_membership(self) -> bool:
+        """Ask the masters for the membership now; True if it changed."""
+        if self._watcher is None:
+            return False
+        before = self._view.epoch
+        m = self._watcher.refresh()
+        if m is not None:
+            self.update_membership(m)
+        return self._view.epoch != before
 
     def owners(self, keys: Sequence[KeyLike], namespace: str | None = None) -> list[str]:
         """Node id that owns each key."""
-        return self._ring.owners(namespace or self.namespace, [_key_bytes(k) for k in keys])
+        return self._view.ring.owners(namespace or self.namespace, [_key_bytes(k) for k in keys])
 
     # -- batch operations -------------------------------------------------------------------
     def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float = 0.0,
-            namespace: str | None = None) -> list[Status]:
-        """Store values (bytes-like, numpy arrays, CPU tensors); per-key Status."""
+            namespace: str | None = None, pool: str | None = None, pos: Sequence[int] | None = None,
+            tail: Sequence[int] | None = None) -> list[Status]:
+        """Store values (bytes-like, numpy arrays, CPU tensors); per-key Status.
+
+        A value may also be a list/tuple of buffers, stored as their concatenation (sent
+        scatter-gather, not copied). ``pool`` tags the values with a daemon pool (own byte budget,
+        prefix-aware eviction); ``pos`` gives each key's position in its page chain and ``tail``
+        marks (1) pages of a restore point's trailing window. See gcache.tier.pools."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if ttl_s < 0:
             raise ValueError("ttl_s must be >= 0")
-        views = [as_view(v) for v in values]
+        for name, per_key in (("pos", pos), ("tail", tail)):
+            if per_key is not None and len(per_key) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(per_key)} {name} values")
+        views = [_parts(v) for v in values]
         status = [Status.ERROR] * len(keys)
 
         def build(idxs: list[int], kb: list[bytes]) -> tuple[dict, list[memoryview]]:
-            meta = {"ns": ns, "keys": kb, "sizes": [len(views[i]) for i in idxs]}
+            meta: dict[str, Any] = {"ns": ns, "keys": kb, "sizes": [sum(map(len, views[i])) for i in idxs]}
             if ttl_s:
                 meta["ttl"] = ttl_s
-            return meta, [views[i] for i in idxs]
+            if pool is not None:
+                meta["pool"] = pool
+                if pos is not None:
+                    meta["pos"] = [int(pos[i]) for i in idxs]
+                if tail is not None:
+                    meta["tail"] = [int(tail[i]) for i in idxs]
+            return meta, [part for i in idxs for part in views[i]]
 
         def finish(idxs: list[int], meta: dict, plen: int, conn: Connection, deadline: float) -> None:
             for i, st in zip(idxs, _statuses(meta, len(idxs), conn.node)):
@@ -139,10 +189,11 @@ class Client:
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,
                  namespace: str | None = None) -> GetResult:
-        """Read values straight into the caller's buffers (each at least the value's size)."""
+        """Read values straight into the caller's buffers (each at least the value's size). A
+        buffer may be a list/tuple of buffers, filled in order (scatter)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [as_view(b, writable=True) for b in buffers]
+        views = [_parts(b, True) if isinstance(b, (list, tuple)) else as_view(b, writable=True) for b in buffers]
         return self._get(keys, views, namespace or self.namespace)[0]
 
     def get(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bytearray | None]:
@@ -150,8 +201,14 @@ class Client:
         res, bufs = self._get(keys, None, namespace or self.namespace)
         return [buf if st is Status.OK else None for st, buf in zip(res.status, bufs)]
 
-    def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
-        return [s is Status.OK for s in self._keys_only(Op.EXISTS, keys, namespace)]
+    def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None,
+               tail: Sequence[int] | None = None) -> list[bool]:
+        """Whether each key is stored (a hit refreshes its recency). ``tail`` re-marks existing
+        pooled pages as restore-point (1) or interior (0) pages."""
+        if tail is not None and len(tail) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(tail)} tail values")
+        per_key = {"tail": [int(t) for t in tail]} if tail is not None else None
+        return [s is Status.OK for s in self._keys_only(Op.EXISTS, keys, namespace, per_key)]
 
     def delete(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
         """True for each key that existed."""
@@ -175,7 +232,7 @@ class Client:
     def ping(self) -> dict[str, dict[str, Any]]:
         """Round-trip time of every owning node: {node_id: {"rtt_ms": float}} or {"error": ...}."""
         out: dict[str, dict[str, Any]] = {}
-        for node in list(self._addr):
+        for node in list(self._view.addr):
             t0 = time.perf_counter()
             res = self._each_node(Op.PING, lambda meta: {}, only=node)[node]
             if "error" not in res:
@@ -213,75 +270,118 @@ class Client:
                     dest = memoryview(bufs[i])
                 else:
                     dest = views[i]
-                if len(dest) < sz:
+                if _nbytes(dest) < sz:
                     conn.discard(sz, deadline)
                     status[i] = Status.BUFFER_TOO_SMALL
                     sizes[i] = sz
                     continue
-                conn.recv_into(dest[:sz], deadline)
+                _recv_parts(conn, dest, sz, deadline)
                 status[i] = Status.OK
                 sizes[i] = sz
 
-        self._fanout(Op.GET, ns, keys, build, finish, status)
+        self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True)
         return GetResult(status, sizes), bufs
 
-    def _keys_only(self, op: Op, keys: Sequence[KeyLike], namespace: str | None) -> list[Status]:
+    def _keys_only(self, op: Op, keys: Sequence[KeyLike], namespace: str | None,
+                   per_key: dict[str, list] | None = None) -> list[Status]:
         ns = namespace or self.namespace
         status = [Status.ERROR] * len(keys)
 
         def build(idxs: list[int], kb: list[bytes]) -> tuple[dict, list]:
-            return {"ns": ns, "keys": kb}, []
+            meta: dict[str, Any] = {"ns": ns, "keys": kb}
+            for field, values in (per_key or {}).items():
+                meta[field] = [values[i] for i in idxs]
+            return meta, []
 
         def finish(idxs: list[int], meta: dict, plen: int, conn: Connection, deadline: float) -> None:
             for i, st in zip(idxs, _statuses(meta, len(idxs), conn.node)):
                 status[i] = st
 
-        self._fanout(op, ns, keys, build, finish, status)
+        self._fanout(op, ns, keys, build, finish, status, fallback=op is Op.EXISTS)
         return status
 
     def _fanout(self, op: Op, ns: str, keys: Sequence[KeyLike],
                 build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                 finish: Callable[[list[int], dict, int, Connection, float], None],
-                status: list[Status]) -> None:
-        """Send one request per owner, then read the replies; failed owners' keys get
-        UNAVAILABLE, and with OnNodeError.RAISE the first failure is raised at the end."""
+                status: list[Status], fallback: bool = False) -> None:
+        """Run a batch: one request per owner, all owners at once. Keys a node refuses as
+        NOT_OWNER (our membership was stale) are retried once on the refreshed membership; with
+        ``fallback``, misses during a handover are looked up on the key's previous owner. Failed
+        owners' keys get UNAVAILABLE; with OnNodeError.RAISE the first failure is raised last."""
         err = namespace_error(ns)
         if err:
             raise ValueError(err)
         if not keys:
             return
         kbytes = [_key_bytes(k) for k in keys]
-        with self._lock:
-            ring, addr = self._ring, self._addr
-        groups: dict[str, list[int]] = {}
-        for i, owner in enumerate(ring.owners(ns, kbytes)):
-            groups.setdefault(owner, []).append(i)
-        deadline = time.monotonic() + self.timeout_s
         failures: list[GCacheError] = []
+        view = self._view
+        deadline = time.monotonic() + self.timeout_s
+        seen = self._round(op, ns, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
+                           build, finish, status, failures, deadline)
+        if seen > view.epoch and self._may_refresh():
+            self.refresh_membership()
+        retry = [i for i, st in enumerate(status) if st is Status.NOT_OWNER]
+        if retry and (self._view.epoch > view.epoch or self.refresh_membership()):
+            view = self._view
+            self._round(op, ns, kbytes, retry, view.ring, view.addr, view.epoch, False,
+                        build, finish, status, failures, deadline)
+        if fallback and view.prev_ring is not None and view.prev_addr:
+            misses = [i for i, st in enumerate(status) if st is Status.NOT_FOUND]
+            if misses:
+                now = view.ring.owners(ns, [kbytes[i] for i in misses])
+                before = view.prev_ring.owners(ns, [kbytes[i] for i in misses])
+                moved = [i for i, a, b in zip(misses, now, before) if a != b and b in view.prev_addr]
+                self._round(op, ns, kbytes, moved, view.prev_ring, view.prev_addr, view.epoch, True,
+                            build, finish, status, failures, deadline)
+        if failures and self.on_node_error is OnNodeError.RAISE:
+            raise failures[0]
+
+    def _round(self, op: Op, ns: str, kbytes: list[bytes], which: Sequence[int], ring: HashRing,
+               addr: dict[str, str], epoch: int, fallback: bool,
+               build: Callable[[list[int], list[bytes]], tuple[dict, list]],
+               finish: Callable[[list[int], dict, int, Connection, float], None],
+               status: list[Status], failures: list[GCacheError], deadline: float) -> int:
+        """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
+        epoch a reply carried."""
+        if not which:
+            return 0
+        groups: dict[str, list[int]] = {}
+        for i, owner in zip(which, ring.owners(ns, [kbytes[i] for i in which])):
+            groups.setdefault(owner, []).append(i)
+        epochs = [0]
         sending: dict[int, tuple[list[int], Connection]] = {}
         for node, idxs in groups.items():
             conn = None
             try:
+                if node not in addr:
+                    raise ConnectionFailed(node, "no address in the current membership")
                 conn = self._pool.get(node, addr[node])
                 meta, payload = build(idxs, [kbytes[i] for i in idxs])
+                if epoch:
+                    meta["ep"] = epoch
+                if fallback:
+                    meta["fb"] = 1
                 conn.prepare(op, meta, payload, self.timeout_s)
                 sending[conn.sock.fileno()] = (idxs, conn)
             except GCacheError as exc:
                 self._failed(idxs, conn, exc, status, failures)
+
+        def receive(idxs: list[int], conn: Connection) -> bool:
+            meta, plen = conn.recv_reply(deadline)
+            ep = meta.get("ep")
+            if isinstance(ep, int):
+                epochs.append(ep)
+            finish(idxs, meta, plen, conn, deadline)
+            self._pool.put(conn)
+            return True
+
         # Interleave the sends, so every owner receives at once and a stalled owner cannot hold
         # up the others; then read each reply as soon as its owner has started answering.
         receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
                                     lambda idxs, conn: conn.send_some(deadline))
-        self._poll_loop(receiving, select.POLLIN, deadline, status, failures,
-                        lambda idxs, conn: self._finish(idxs, conn, finish, deadline))
-        if failures and self.on_node_error is OnNodeError.RAISE:
-            raise failures[0]
-
-    def _finish(self, idxs: list[int], conn: Connection, finish: Callable, deadline: float) -> bool:
-        meta, plen = conn.recv_reply(deadline)
-        finish(idxs, meta, plen, conn, deadline)
-        self._pool.put(conn)
-        return True
+        self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
+        return max(epochs)
 
     def _poll_loop(self, conns: dict[int, tuple[list[int], Connection]], event: int, deadline: float,
                    status: list[Status], failures: list[GCacheError],
@@ -328,7 +428,7 @@ class Client:
     def _each_node(self, op: Op, pick: Callable[[dict], dict], only: str | None = None) -> dict[str, dict]:
         out: dict[str, dict] = {}
         deadline = time.monotonic() + self.timeout_s
-        for node, address in list(self._addr.items()):
+        for node, address in list(self._view.addr.items()):
             if only is not None and node != only:
                 continue
             conn = None
@@ -353,3 +453,26 @@ def _statuses(meta: dict, n: int, node: str) -> list[Status]:
         return [Status(s) for s in st]
     except ValueError:
         raise ProtocolError(f"{node}: unknown status in reply") from None
+
+
+def _parts(value: Any, writable: bool = False) -> list[memoryview]:
+    """A value as a list of flat byte views: one, or one per buffer of a list/tuple."""
+    if isinstance(value, (list, tuple)):
+        return [as_view(v, writable=writable) for v in value]
+    return [as_view(value, writable=writable)]
+
+
+def _nbytes(dest: memoryview | list[memoryview]) -> int:
+    return sum(map(len, dest)) if isinstance(dest, list) else len(dest)
+
+
+def _recv_parts(conn: Connection, dest: memoryview | list[memoryview], size: int, deadline: float) -> None:
+    """Receive ``size`` bytes into one view or, in order, into several."""
+    if not isinstance(dest, list):
+        conn.recv_into(dest[:size], deadline)
+        return
+    for part in dest:
+        n = min(len(part), size)
+        if n:
+            conn.recv_into(part[:n], deadline)
+        size -= n

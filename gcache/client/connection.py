@@ -20,7 +20,7 @@ from gcache.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all, tune
 
 
 class Connection:
-    def __init__(self, node: str, address: str, connect_timeout_s: float) -> None:
+    def __init__(self, node: str, address: str, connect_timeout_s: float, token: str | None = None) -> None:
         self.node = node
         self.address = address
         self.broken = False
@@ -34,6 +34,14 @@ class Connection:
         with self._io(time.monotonic() + connect_timeout_s):
             self.sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
         tune(self.sock)
+        if token is not None:  # the data-plane handshake: prove the cluster token once
+            deadline = time.monotonic() + connect_timeout_s
+            try:
+                self.send(P.Op.HELLO, {"token": token}, [], deadline, connect_timeout_s)
+                self.recv_reply(deadline)
+            except GCacheError:
+                self.close()
+                raise
 
     def __repr__(self) -> str:
         return f"Connection(node={self.node!r}, broken={self.broken}, pending={len(self._pending)})"
@@ -155,8 +163,9 @@ class Connection:
 class Pool:
     """Idle connections per node; a checked-out connection belongs to one call at a time."""
 
-    def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8) -> None:
+    def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.token = token
         self.max_idle = max_idle_per_node
         self._idle: dict[str, list[Connection]] = {}
         self._lock = threading.Lock()
@@ -169,7 +178,7 @@ class Pool:
                 if conn.address == address and conn.idle_ok():
                     return conn
                 conn.close()
-        return Connection(node, address, self.connect_timeout_s)
+        return Connection(node, address, self.connect_timeout_s, self.token)
 
     def put(self, conn: Connection) -> None:
         if conn.broken or conn._pending:

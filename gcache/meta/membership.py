@@ -36,8 +36,20 @@ class Node:
 
 @dataclass(frozen=True)
 class Membership:
+    """``previous``: while a handover is in progress, the owners from before the change that
+    opened it; a client falls back to them on a miss."""
+
     epoch: int
     nodes: tuple[Node, ...] = field(default_factory=tuple)
+    previous: tuple[Node, ...] | None = None
+
+    @classmethod
+    def from_master(cls, m: dict) -> Membership:
+        """From the master's published form (gcache.meta.nodetable.NodeTable.membership)."""
+        nodes = tuple(Node(r["id"], r["address"], float(r["weight"]), NodeState(r["state"])) for r in m["nodes"])
+        t = m.get("transition")
+        prev = tuple(Node(r["id"], r["address"], float(r["weight"])) for r in t["from"]) if t else None
+        return cls(int(m["epoch"]), nodes, prev)
 
     @classmethod
     def from_addresses(cls, addresses: Iterable[str], epoch: int = 0) -> Membership:

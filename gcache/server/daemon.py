@@ -10,8 +10,12 @@ import sys
 import threading
 
 from gcache.errors import ConfigError
+from gcache.meta.master_client import MasterClient
+from gcache.meta.rpc import load_token
+from gcache.server.agent import Agent
 from gcache.server.server import DataServer
 from gcache.sizes import parse_size
+from gcache.tier.pools import PoolBudget
 from gcache.tier.store import Store, StoreConfig
 
 log = logging.getLogger("gcached")
@@ -25,10 +29,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
     p.add_argument("--disk-size", default="10GiB", help="NVMe tier byte budget (default %(default)s)")
     p.add_argument("--max-value", default="64MiB", help="largest value accepted (default %(default)s)")
+    p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
+                   help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
+                        "A pool evicts only its own pages; pools without a budget share the arena")
     p.add_argument("--no-pretouch", action="store_true",
                    help="do not pre-fault the arena at start-up (faster start, slower first writes)")
     p.add_argument("--ready-file", default=None,
                    help="write 'HOST:PORT' here once listening (for supervisors and tests)")
+    p.add_argument("--masters", default=None,
+                   help="gcache://HOST:PORT,... of the master group: register, heartbeat, hand keys over "
+                        "(omit for a static cluster)")
+    p.add_argument("--token-file", default=None,
+                   help="cluster token file (else $GCACHE_TOKEN); required of clients when set")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default %(default)s)")
+    p.add_argument("--fence-after", type=float, default=2.0,
+                   help="refuse data requests after this long without a heartbeat round (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
+                        "the address is printed at start-up and written to READY_FILE.metrics")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -45,10 +63,26 @@ def run(args: argparse.Namespace) -> int:
             disk_bytes=parse_size(args.disk_size) if args.disk else 0,
             max_value_bytes=parse_size(args.max_value),
             pretouch=not args.no_pretouch,
+            pool_budgets=tuple(PoolBudget.parse(spec, parse_size(args.mem)) for spec in args.pool_budget),
         )
+        token = load_token(args.token_file)
         store = Store(config)
         server = DataServer(store, host, int(port), node_id=args.node_id,
-                            max_payload=max(config.max_value_bytes * 64, 1 << 30))
+                            max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token)
+        agent = None
+        if args.masters:
+            agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
+                          config.mem_bytes + config.disk_bytes, store, token,
+                          heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
+            server.agent = agent
+        metrics = None
+        if args.metrics_port is not None:
+            from gcache.server.handler import Handler
+            from gcache.server.metrics import RequestMetrics
+
+            metrics = RequestMetrics(store.stats)
+            metrics.serve(args.metrics_port)
+            Handler.metrics = metrics
     except (ConfigError, OSError) as exc:
         print(f"gcache daemon: {exc}", file=sys.stderr)
         return 2
@@ -56,10 +90,23 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
+    if agent is not None:
+        agent.start()
+        if not agent.wait_registered(30):
+            print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
+            server.stop()
+            store.close()
+            return 3
     line = f"gcached listening on {server.address} node={server.node_id} mem={config.mem_bytes}"
     if config.disk_dir:
         line += f" disk={config.disk_dir} ({len(store.nvme or [])} keys recovered)"
     print(line, flush=True)
+    if metrics is not None:
+        print(f"gcached metrics on http://{metrics.address}/metrics", flush=True)
+        if args.ready_file:  # before the ready file, so whoever sees that one finds this one
+            with open(args.ready_file + ".metrics.tmp", "w") as f:
+                f.write(metrics.address)
+            os.replace(args.ready_file + ".metrics.tmp", args.ready_file + ".metrics")
     if args.ready_file:
         tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:
@@ -67,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         os.replace(tmp, args.ready_file)
     stop.wait()
     log.info("stopping")
+    if agent is not None:
+        agent.stop()
     server.stop()
+    if metrics is not None:
+        metrics.stop()
     store.close()
     return 0

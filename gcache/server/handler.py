@@ -9,16 +9,24 @@ only this connection is affected.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from gcache import protocol as P
 from gcache.protocol import ErrorCode, Op, Status
+from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Store
 from gcache.wire import DRAIN_CHUNK, drain, recv_exact, send_all
 
+if TYPE_CHECKING:
+    from gcache.server.agent import Agent
+    from gcache.server.metrics import RequestMetrics
+
 log = logging.getLogger(__name__)
+DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE)
 
 
 class Refused(Exception):
@@ -30,13 +38,22 @@ class Refused(Exception):
 
 
 class Handler:
-    def __init__(self, sock: socket.socket, store: Store, node_id: str, max_payload: int) -> None:
+    # Per-request metrics of this daemon process, set once by gcache.server.daemon when
+    # --metrics-port is given (DataServer does not pass it per connection); None = off.
+    metrics: RequestMetrics | None = None
+
+    def __init__(self, sock: socket.socket, store: Store, node_id: str, max_payload: int,
+                 token: str | None = None, agent: Agent | None = None) -> None:
         self.sock = sock
         self.store = store
         self.node_id = node_id
         self.max_payload = max_payload
+        self.token = token
+        self.agent = agent
+        self.authed = token is None
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._scratch = memoryview(bytearray(DRAIN_CHUNK))
+        self._owner_check = None
 
     def serve(self) -> None:
         """Serve until the peer closes or sends a frame that cannot be trusted."""
@@ -56,6 +73,7 @@ class Handler:
         req_id = 0
         payload_len = 0
         consumed = 0
+        t0 = time.perf_counter()
         try:
             try:
                 version, op, _flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
@@ -75,19 +93,41 @@ class Handler:
                 op = Op(op)
             except ValueError:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"unknown opcode {op}") from None
+            if op is Op.HELLO:
+                self._hello(meta)
+                self._reply(op, req_id, {"node": self.node_id, "v": P.VERSION})
+                return True
+            if not self.authed:
+                raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
+            if self.agent is not None and op in DATA_OPS:
+                if self.agent.fenced:
+                    raise Refused(ErrorCode.FENCED, f"node {self.node_id} is fenced (lost its membership lease); "
+                                                    "re-registering, treat it as unavailable")
+                self._owner_check = self._ownership_rule(meta)
+            else:
+                self._owner_check = None
             if op is Op.PUT:
                 reply, consumed = self._put(meta, payload_len)
                 self._reply(op, req_id, reply)
+                if self.metrics is not None:
+                    self.metrics.observe("put", t0, len(reply["st"]), consumed)
                 return True
             if payload_len:
                 raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
             if op is Op.GET:
-                self._get(req_id, meta)
+                sent = self._get(req_id, meta)
+                if self.metrics is not None:
+                    self.metrics.observe("get", t0, len(meta["keys"]), 0, sent)
                 return True
             self._reply(op, req_id, self._simple(op, meta))
+            if self.metrics is not None:
+                keys = meta.get("keys")
+                self.metrics.observe(op.name.lower(), t0, len(keys) if isinstance(keys, list) else 0)
             return True
         except Refused as r:
             log.warning("refused request %d from %s: %s", req_id, self._peer(), r.msg)
+            if self.metrics is not None:
+                self.metrics.observe("error", t0)
             try:
                 if not r.fatal:
                     drain(self.sock, payload_len - consumed, self._scratch)
@@ -105,6 +145,35 @@ class Handler:
                 pass
             return False
 
+    # -- membership ---------------------------------------------------------------------------
+    def _hello(self, meta: dict[str, Any]) -> None:
+        given = meta.get("token")
+        if self.token is not None and not (isinstance(given, str)
+                                           and hmac.compare_digest(given.encode(), self.token.encode())):
+            log.warning("refused connection from %s: %s cluster token", self._peer(),
+                        "missing" if given is None else "wrong")
+            raise Refused(ErrorCode.AUTH, "missing or wrong cluster token", fatal=True)
+        self.authed = True
+
+    def _ownership_rule(self, meta: dict[str, Any]):
+        """A per-key owner check when the client routed by an older epoch than ours, else None."""
+        agent = self.agent
+        assert agent is not None
+        ep = meta.get("ep")
+        if not isinstance(ep, int) or meta.get("fb"):
+            return None
+        if ep > agent.epoch:
+            agent.note_epoch(ep)
+        return agent.owns if ep < agent.epoch else None
+
+    def _key_status(self, ns: str, key: object) -> Status | None:
+        """BAD_KEY or NOT_OWNER for a key this request must not touch, else None."""
+        if P.key_error(key):
+            return Status.BAD_KEY
+        if self._owner_check is not None and not self._owner_check(ns, key):
+            return Status.NOT_OWNER
+        return None
+
     # -- ops --------------------------------------------------------------------------------
     def _put(self, meta: dict[str, Any], payload_len: int) -> tuple[dict, int]:
         ns, keys = self._ns_keys(meta)
@@ -116,11 +185,16 @@ class Handler:
         ttl = meta.get("ttl", 0)
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise Refused(ErrorCode.BAD_META, "PUT 'ttl' must be a number of seconds >= 0")
+        pooled = parse_pool_meta(meta, len(keys), "PUT")  # optional pool / pos / tail fields
+        if isinstance(pooled, str):
+            raise Refused(ErrorCode.BAD_META, f"PUT {pooled}")
+        pool, pos, tail = pooled
+        group = (ns, pool) if pool is not None else None
         status: list[int] = []
         consumed = 0
-        for key, size in zip(keys, sizes):
-            st = Status.BAD_KEY if P.key_error(key) else None
-            res = self.store.reserve(size) if st is None else st
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            st = self._key_status(ns, key)
+            res = self.store.reserve(size, group) if st is None else st
             if isinstance(res, Status):
                 drain(self.sock, size, self._scratch)
                 status.append(int(res))
@@ -130,27 +204,30 @@ class Handler:
                 except BaseException:
                     self.store.abort(res)
                     raise
-                self.store.commit((ns, key), res, ttl)
+                self.store.commit((ns, key), res, ttl, pos[i], tail[i] if tail else 0)
                 status.append(int(Status.OK))
             consumed += size
         return {"st": status}, consumed
 
-    def _get(self, req_id: int, meta: dict[str, Any]) -> None:
+    def _get(self, req_id: int, meta: dict[str, Any]) -> int:
+        """Answer a GET; returns the payload bytes sent."""
         ns, keys = self._ns_keys(meta)
         hits: list[Hit] = []
         status: list[int] = []
         sizes: list[int] = []
         try:
             for key in keys:
-                hit = None if P.key_error(key) else self.store.acquire((ns, key))
+                refused = self._key_status(ns, key)
+                hit = None if refused is not None else self.store.acquire((ns, key))
                 if hit is None:
-                    status.append(int(Status.BAD_KEY if P.key_error(key) else Status.NOT_FOUND))
+                    status.append(int(refused if refused is not None else Status.NOT_FOUND))
                     sizes.append(0)
                 else:
                     hits.append(hit)
                     status.append(int(Status.OK))
                     sizes.append(len(hit.view))
             self._reply(Op.GET, req_id, {"st": status, "sz": sizes}, 0, [h.view for h in hits])
+            return sum(sizes)
         finally:
             for hit in hits:
                 self.store.release(hit)
@@ -159,15 +236,23 @@ class Handler:
         if op is Op.PING:
             return {"node": self.node_id, "v": P.VERSION}
         if op is Op.STATS:
-            return {"node": self.node_id, "stats": self.store.stats()}
+            stats = self.store.stats()
+            if self.metrics is not None and self.metrics.address:
+                stats["metrics_address"] = self.metrics.address  # `gcache stats` scrapes it
+            return {"node": self.node_id, "stats": stats}
         ns, keys = self._ns_keys(meta)
         fn = self.store.exists if op is Op.EXISTS else self.store.delete
-        return {
-            "st": [
-                int(Status.BAD_KEY if P.key_error(k) else (Status.OK if fn((ns, k)) else Status.NOT_FOUND))
-                for k in keys
-            ]
-        }
+        if op is Op.EXISTS and "tail" in meta:  # re-mark restore-point pages of a pool
+            pooled = parse_pool_meta(meta, len(keys), "EXISTS")
+            if isinstance(pooled, str):
+                raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
+            marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
+            fn = lambda k: self.store.exists(k, marks.get(k[1]))  # noqa: E731
+        out = []
+        for k in keys:
+            refused = self._key_status(ns, k)
+            out.append(int(refused if refused is not None else (Status.OK if fn((ns, k)) else Status.NOT_FOUND)))
+        return {"st": out}
 
     @staticmethod
     def _ns_keys(meta: dict[str, Any]) -> tuple[str, list]:
@@ -181,6 +266,8 @@ class Handler:
 
     # -- replies ----------------------------------------------------------------------------
     def _reply(self, op: int, req_id: int, meta: dict, flags: int = 0, payload: list | None = None) -> None:
+        if self.agent is not None:
+            meta["ep"] = self.agent.epoch
         raw = P.encode_meta(meta)
         payload = payload or []
         total = sum(len(v) for v in payload)

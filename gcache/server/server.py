@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 class DataServer:
     def __init__(self, store: Store, host: str, port: int, node_id: str | None = None,
-                 max_payload: int = 4 << 30) -> None:
+                 max_payload: int = 4 << 30, token: str | None = None) -> None:
         self.store = store
         self.max_payload = max_payload
+        self.token = token
+        self.agent = None  # set by the daemon when it has masters
         self._lsock = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._lsock.getsockname()[:2]
         self.address = f"{self.host}:{self.port}"
@@ -54,7 +56,7 @@ class DataServer:
 
     def _serve_conn(self, sock: socket.socket) -> None:
         try:
-            Handler(sock, self.store, self.node_id, self.max_payload).serve()
+            Handler(sock, self.store, self.node_id, self.max_payload, self.token, self.agent).serve()
         finally:
             with self._lock:
                 self._conns.discard(sock)

@@ -104,6 +104,11 @@ class NvmeTier:
             loc.seg.refs += 1
             return loc
 
+    def index_keys(self) -> list[Key]:
+        """A snapshot of the indexed keys, newest writes first."""
+        with self._lock:
+            return list(reversed(self.index.keys()))
+
     def contains(self, key: Key) -> bool:
         with self._lock:
             loc = self.index.get(key)

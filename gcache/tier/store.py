@@ -23,6 +23,7 @@ from gcache.errors import ConfigError
 from gcache.protocol import Status
 from gcache.tier.arena import Arena
 from gcache.tier.nvme import NvmeTier
+from gcache.tier.pools import GroupId, PoolBudget, PoolBudgets, PoolGroup
 from gcache.tier.ram import Key, RamEntry, RamTier
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class StoreConfig:
     max_value_bytes: larger puts get TOO_LARGE. demote_queue_bytes: bytes of evicted values
     waiting for the disk; beyond it evictions are dropped. full_wait_s: how long a put waits for
     in-flight demotions to free room before answering FULL. promote_on_hit: copy NVMe hits to RAM.
+    pool_budgets: RAM byte budgets of tagged pools (gcache.tier.pools); recency_bucket_s: width
+    of the recency buckets that order pooled entries (within one, later chain positions go first).
     """
 
     mem_bytes: int
@@ -47,6 +50,8 @@ class StoreConfig:
     promote_on_hit: bool = True
     segment_bytes: int = 64 << 20
     pretouch: bool = True
+    pool_budgets: tuple[PoolBudget, ...] = ()
+    recency_bucket_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
@@ -57,15 +62,17 @@ class StoreConfig:
             raise ConfigError("max_value_bytes must be >= 1")
         if self.full_wait_s < 0:
             raise ConfigError("full_wait_s must be >= 0")
+        if not self.recency_bucket_s > 0:
+            raise ConfigError("recency_bucket_s must be > 0")
 
 
 class Reservation:
     """A slot being filled by a put: not visible to readers until commit()."""
 
-    __slots__ = ("off", "size", "view")
+    __slots__ = ("off", "size", "view", "group")
 
-    def __init__(self, off: int, size: int, view: memoryview) -> None:
-        self.off, self.size, self.view = off, size, view
+    def __init__(self, off: int, size: int, view: memoryview, group: PoolGroup | None = None) -> None:
+        self.off, self.size, self.view, self.group = off, size, view, group
 
 
 class Hit:
@@ -81,7 +88,8 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.arena = Arena(config.mem_bytes, pretouch=config.pretouch)
-        self.ram = RamTier(self.arena)
+        self.ram = RamTier(self.arena, config.recency_bucket_s)
+        self.budgets = PoolBudgets(config.pool_budgets, config.mem_bytes)
         self.nvme = (
             NvmeTier(config.disk_dir, config.disk_bytes, config.segment_bytes) if config.disk_dir else None
         )
@@ -97,27 +105,40 @@ class Store:
             self._demoter.start()
 
     # -- put --------------------------------------------------------------------------------
-    def reserve(self, size: int) -> Reservation | Status:
-        """A slot for a value of ``size`` bytes, evicting as needed; or TOO_LARGE / FULL."""
+    def reserve(self, size: int, pool: GroupId | None = None) -> Reservation | Status:
+        """A slot for a value of ``size`` bytes, evicting as needed; or TOO_LARGE / FULL.
+        ``pool`` = (namespace, pool name) tags the value: only that pool's entries (and untagged
+        ones) are evicted to make room, and the pool's budget is enforced."""
         if size > self.config.max_value_bytes or size > self.ram.alloc.capacity:
             return Status.TOO_LARGE
         deadline = time.monotonic() + self.config.full_wait_s
         with self._lock:
+            group = self._group(pool) if pool is not None else None
+            if group is not None and group.budget is not None and size > group.budget:
+                return Status.TOO_LARGE
             while True:
-                off = self._make_room(size)
+                off = self._make_room(size, group)
                 if off is not None:
-                    return Reservation(off, size, self.arena.slot(off, size))
+                    return Reservation(off, size, self.arena.slot(off, size), group)
                 remaining = deadline - time.monotonic()
                 if not self._demoting or remaining <= 0:
                     self.counters["full"] += 1
                     return Status.FULL
                 self._lock.wait(remaining)
 
-    def commit(self, key: Key, res: Reservation, ttl_s: float = 0.0) -> None:
+    def commit(self, key: Key, res: Reservation, ttl_s: float = 0.0, pos: int = 0, tail: int = 0) -> None:
+        """Publish a filled reservation. ``pos``: chain position, ``tail``: 1 for a restore
+        point's trailing-window page (both only matter for a pooled reservation; a tail mark
+        is sticky across overwrites within the pool)."""
         expires = time.time() + ttl_s if ttl_s > 0 else 0.0
+        entry = RamEntry(res.off, res.size, expires)
         with self._lock:
             self._forget_older(key)
-            self.ram.release(self.ram.insert(key, RamEntry(res.off, res.size, expires)))
+            if res.group is not None:
+                old = self.ram.index.get(key)
+                entry.group, entry.pos = res.group, pos
+                entry.tail = max(tail, old.tail) if old is not None and old.group is res.group else tail
+            self.ram.release(self.ram.insert(key, entry))
             self.counters["puts"] += 1
             self.counters["put_bytes"] += res.size
 
@@ -126,13 +147,14 @@ class Store:
             self.ram.alloc.free_slot(res.off, res.size)
             self._lock.notify_all()
 
-    def put(self, key: Key, value: memoryview | bytes, ttl_s: float = 0.0) -> Status:
+    def put(self, key: Key, value: memoryview | bytes, ttl_s: float = 0.0, pool: str | None = None,
+            pos: int = 0, tail: int = 0) -> Status:
         """Store a value held in memory (used by tests and local callers)."""
-        res = self.reserve(len(value))
+        res = self.reserve(len(value), (key[0], pool) if pool is not None else None)
         if isinstance(res, Status):
             return res
         res.view[:] = value
-        self.commit(key, res, ttl_s)
+        self.commit(key, res, ttl_s, pos, tail)
         return Status.OK
 
     # -- get --------------------------------------------------------------------------------
@@ -192,9 +214,15 @@ class Store:
             return Hit(self.arena.slot(entry.off, entry.size), entry)
 
     # -- exists / delete ---------------------------------------------------------------------
-    def exists(self, key: Key) -> bool:
+    def exists(self, key: Key, tail: int | None = None) -> bool:
+        """Whether ``key`` is stored; a RAM hit becomes most recent. ``tail`` (not None) re-marks
+        a pooled entry as a restore point's trailing-window page (1) or an interior one (0)."""
         with self._lock:
-            if self.ram.lookup(key, time.time()) is not None or key in self._demoting:
+            now = time.time()
+            e = self.ram.lookup(key, now)
+            if e is not None and tail is not None and e.group is not None and e.tail != tail:
+                e.group.touch(key, e, self.ram.bucket(now), tail)
+            if e is not None or key in self._demoting:
                 return True
         return self.nvme is not None and self.nvme.contains(key)
 
@@ -218,17 +246,37 @@ class Store:
         return found
 
     # -- eviction and demotion ---------------------------------------------------------------
-    def _make_room(self, size: int) -> int | None:
-        """Lock held: allocate ``size`` bytes, evicting LRU entries until it fits."""
+    def _group(self, gid: GroupId) -> PoolGroup | None:
+        """Lock held: the pool group ``gid``, created on first use (None beyond MAX_GROUPS)."""
+        group = self.ram.groups.get(gid)
+        if group is None and len(self.ram.groups) < self.MAX_GROUPS:
+            group = self.ram.groups[gid] = PoolGroup(gid, self.budgets.budget(gid))
+        return group
+
+    MAX_GROUPS = 4096
+
+    def _make_room(self, size: int, group: PoolGroup | None = None) -> int | None:
+        """Lock held: allocate ``size`` bytes. A pooled value first brings its pool under
+        budget, evicting that pool's own entries; then untagged entries are evicted in LRU
+        order, then (pooled) the pool's own. Other pools' entries are never touched."""
         alloc = self.ram.alloc
+        if group is not None and group.over_budget(size):
+            for key, entry in group.victims():
+                self._evict(key, entry)
+                if not group.over_budget(size):
+                    break
+            if group.over_budget(size):
+                return None
         off = alloc.alloc(size)
         if off is not None:
             return off
-        for key, entry in self.ram.victims():
-            self._evict(key, entry)
-            off = alloc.alloc(size)
-            if off is not None:
-                return off
+        sources = [self.ram.victims()] if group is None else [self.ram.victims(), group.victims()]
+        for victims in sources:
+            for key, entry in victims:
+                self._evict(key, entry)
+                off = alloc.alloc(size)
+                if off is not None:
+                    return off
         return None
 
     def _evict(self, key: Key, entry: RamEntry) -> None:
@@ -280,6 +328,14 @@ class Store:
                 self._lock.wait(remaining)
         return True
 
+    def keys_hottest_first(self) -> list[Key]:
+        """Every live key, RAM most-recently-used first, then disk-only keys (for handover)."""
+        with self._lock:
+            ram = list(reversed(self.ram.index.keys()))
+            seen = set(ram)
+        disk = [k for k in self.nvme.index_keys() if k not in seen] if self.nvme is not None else []
+        return ram + disk
+
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -291,6 +347,11 @@ class Store:
                 ram_keys=len(self.ram),
                 demote_queue_bytes=self._queue_bytes,
             )
+            for (ns, pool), g in self.ram.groups.items():
+                out[f"pool_bytes:{ns}:{pool}"] = g.bytes
+                out[f"pool_keys:{ns}:{pool}"] = len(g)
+                if g.budget is not None:
+                    out[f"pool_budget:{ns}:{pool}"] = g.budget
         if self.nvme is not None:
             out.update(
                 disk_budget=self.nvme.budget,

@@ -1,0 +1,98 @@
+"""Client of the master group, used by daemons (register, heartbeat, handover) and clients
+(membership). Tries the masters in turn; a wrong token fails at once with a clear error."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from gcache.errors import ConfigError, GCacheError
+from gcache.meta import rpc
+
+SCHEME = "gcache://"
+
+
+class MasterUnavailable(GCacheError):
+    """No master answered."""
+
+
+class AuthFailed(GCacheError):
+    """The master refused the cluster token."""
+
+
+def parse_masters(spec: str | list[str]) -> list[str]:
+    """``gcache://h1:p1,h2:p2`` (or a plain list) -> [HOST:PORT, ...]."""
+    if isinstance(spec, str):
+        spec = spec[len(SCHEME):] if spec.startswith(SCHEME) else spec
+        spec = spec.split(",")
+    out = [s.strip().rstrip("/") for s in spec if s.strip()]
+    if not out or any(":" not in a for a in out):
+        raise ConfigError(f"master list {spec!r}: expected gcache://HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+class MasterClient:
+    def __init__(self, masters: str | list[str], token: str | None, timeout_s: float = 1.0) -> None:
+        self.addresses = parse_masters(masters)
+        self.token = token
+        self.timeout_s = timeout_s
+        self._channels = {a: grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in self.addresses}
+        self._preferred = 0
+        self._lock = threading.Lock()
+
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        return ((rpc.TOKEN_HEADER, self.token),) if self.token else ()
+
+    def _method(self, address: str, name: str, streaming: bool = False):
+        ch = self._channels[address]
+        path = f"/{rpc.SERVICE}/{name}"
+        make = ch.unary_stream if streaming else ch.unary_unary
+        return make(path, request_serializer=rpc.pack, response_deserializer=rpc.unpack)
+
+    def call(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Call one master, trying the others when it is unreachable."""
+        timeout = timeout_s or self.timeout_s
+        errors = []
+        n = len(self.addresses)
+        for i in range(n):
+            idx = (self._preferred + i) % n
+            address = self.addresses[idx]
+            try:
+                out = self._method(address, name)(request, timeout=timeout, metadata=self._md())
+                self._preferred = idx
+                return out
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthFailed(f"master {address} refused the cluster token: {exc.details()}") from None
+                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                    raise GCacheError(f"master {address}: {exc.details()}") from None
+                errors.append(f"{address}: {code.name} {exc.details()}")
+        raise MasterUnavailable("no master answered: " + "; ".join(errors))
+
+    def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
+        """Call every master in parallel; the answers of those that replied."""
+        timeout = timeout_s or self.timeout_s
+        futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in self.addresses]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthFailed(f"a master refused the cluster token: {exc.details()}") from None
+        return out
+
+    def watch(self, address: str) -> Iterator[dict[str, Any]]:
+        """Memberships streamed by one master (raises grpc.RpcError when it goes away)."""
+        return self._method(address, "WatchMembership", streaming=True)({}, metadata=self._md())
+
+    def membership(self) -> dict[str, Any]:
+        return self.call("GetMembership", {})
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()

@@ -1,0 +1,147 @@
+"""The master's replicated state: the node table and the membership epoch (pure, no I/O).
+
+Every change goes through ``apply(command)``; commands are versioned msgpack maps, applied in
+the same order on every master by Raft, so every master holds the same table. Time never enters
+the state: heartbeats and failure detection live outside it, and the leader turns what it
+observes into ``set_state`` commands.
+
+States: UP and SUSPECT nodes own ring ranges; DOWN and DRAINING nodes own none. A change that
+moves ranges away from live nodes (a join, a drain) opens a *transition*: the owners from before
+the change stay listed so clients can fall back to them on a miss, until every node that must
+hand keys over has reported ``handover_done`` for that epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+COMMAND_VERSION = 1
+GiB = 1 << 30
+OWNING = ("up", "suspect")
+STATES = ("up", "suspect", "down", "draining")
+
+
+class CommandError(ValueError):
+    """A command that cannot apply (unknown node, bad version...): the table is unchanged."""
+
+
+def weight_for(capacity: int) -> float:
+    """Ring weight from capacity (RAM + disk): one unit per GiB, at least 1."""
+    return max(1.0, capacity / GiB)
+
+
+class NodeTable:
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.transition: dict[str, Any] | None = None
+
+    # -- commands ---------------------------------------------------------------------------
+    def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd.get("v") != COMMAND_VERSION:
+            raise CommandError(f"command version {cmd.get('v')!r} not supported (speak {COMMAND_VERSION})")
+        op = cmd.get("op")
+        fn = getattr(self, f"_cmd_{op}", None) if isinstance(op, str) else None
+        if fn is None:
+            raise CommandError(f"unknown command {op!r}")
+        return fn(cmd)
+
+    def _cmd_register(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        node, address, capacity = cmd["node"], cmd["address"], int(cmd["capacity"])
+        before = self._owners()
+        old = self.nodes.get(node)
+        inc = (old["inc"] if old else 0) + 1
+        self.nodes[node] = {"id": node, "address": address, "capacity": capacity,
+                            "weight": weight_for(capacity), "state": "up", "inc": inc}
+        # every live previous owner may hold keys that now belong to the (re)joined node
+        self._changed(before, {n for n in before if n != node})
+        return {"inc": inc, "epoch": self.epoch}
+
+    def _cmd_set_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        rec = self._get(cmd["node"])
+        if rec["inc"] != cmd["inc"] or rec["state"] == cmd["state"] or rec["state"] == "draining":
+            return {"changed": False, "epoch": self.epoch}
+        if cmd["state"] not in STATES:
+            raise CommandError(f"unknown state {cmd['state']!r}")
+        before = self._owners()
+        rec["state"] = cmd["state"]
+        self._changed(before, set())
+        return {"changed": True, "epoch": self.epoch}
+
+    def _cmd_drain(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        rec = self._get(cmd["node"])
+        if rec["state"] == "draining":
+            return {"epoch": self.epoch}
+        if rec["state"] not in OWNING:
+            raise CommandError(f"node {rec['id']} is {rec['state']}; only a live node can be drained")
+        if len(self._owners()) < 2:
+            raise CommandError("cannot drain the last node that owns keys")
+        before = self._owners()
+        rec["state"] = "draining"
+        self._changed(before, {rec["id"]})
+        return {"epoch": self.epoch}
+
+    def _cmd_handover_done(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        t = self.transition
+        node = cmd["node"]
+        if t is None or cmd["epoch"] < t["epoch"] or node not in t["pending"]:
+            return {"epoch": self.epoch, "closed": False}
+        t["pending"].remove(node)
+        if self.nodes.get(node, {}).get("state") == "draining":
+            del self.nodes[node]  # drained: it leaves the cluster
+        if not t["pending"]:
+            self.transition = None
+        self.epoch += 1
+        return {"epoch": self.epoch, "closed": self.transition is None}
+
+    def _cmd_remove(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self._get(cmd["node"])
+        before = self._owners()
+        del self.nodes[cmd["node"]]
+        self._changed(before, set())
+        return {"epoch": self.epoch}
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _get(self, node: str) -> dict[str, Any]:
+        rec = self.nodes.get(node)
+        if rec is None:
+            raise CommandError(f"unknown node {node!r}")
+        return rec
+
+    def _owners(self) -> dict[str, dict[str, Any]]:
+        return {n: {"id": r["id"], "address": r["address"], "weight": r["weight"]}
+                for n, r in self.nodes.items() if r["state"] in OWNING}
+
+    def _changed(self, before: dict[str, dict[str, Any]], must_hand_over: set[str]) -> None:
+        self.epoch += 1
+        live = {n for n, r in self.nodes.items() if r["state"] in OWNING or r["state"] == "draining"}
+        if must_hand_over:
+            pending = set(must_hand_over)
+            if self.transition is not None:
+                pending |= set(self.transition["pending"])
+            self.transition = {"epoch": self.epoch, "from": sorted(before.values(), key=lambda r: r["id"]),
+                               "pending": sorted(pending & live)}
+        elif self.transition is not None:
+            self.transition["pending"] = sorted(set(self.transition["pending"]) & live)
+        if self.transition is not None and not self.transition["pending"]:
+            self.transition = None
+
+    # -- views ------------------------------------------------------------------------------
+    def membership(self) -> dict[str, Any]:
+        """What clients and daemons route by."""
+        return {"epoch": self.epoch, "nodes": [dict(r) for r in self.nodes.values()],
+                "transition": None if self.transition is None else {
+                    "epoch": self.transition["epoch"], "from": [dict(r) for r in self.transition["from"]],
+                    "pending": list(self.transition["pending"])}}
+
+    def snapshot(self) -> bytes:
+        return msgpack.packb({"v": COMMAND_VERSION, "epoch": self.epoch, "nodes": self.nodes,
+                              "transition": self.transition})
+
+    def restore(self, blob: bytes) -> None:
+        data = msgpack.unpackb(blob)
+        if data.get("v") != COMMAND_VERSION:
+            raise CommandError(f"snapshot version {data.get('v')!r} not supported")
+        self.epoch, self.nodes, self.transition = data["epoch"], data["nodes"], data["transition"]
