@@ -65,6 +65,7 @@ class LocalCluster:
             raise ValueError("masters must be 0, 1, 3 or 5")
         self._own_root = self.root is None
         self.root = self.root or tempfile.mkdtemp(prefix="gcache-cluster-")
+        os.makedirs(self.root, exist_ok=True)
         self.token_file = os.path.join(self.root, "token") if self.masters else None
         self.token: str | None = None
 

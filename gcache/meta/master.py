@@ -128,7 +128,7 @@ class Master:
         self._last_seen[str(req["node"])] = time.monotonic()
         log.info("registered %s at %s (incarnation %d, epoch %d)", req["node"], req["address"], out["inc"],
                  out["epoch"])
-        return {**out, "membership": self._membership()}
+        return {**out, "membership": self._membership(at_least=out["epoch"])}
 
     def heartbeat(self, req: dict, context: grpc.ServicerContext) -> dict:
         node, inc = str(req["node"]), int(req["inc"])
@@ -144,8 +144,11 @@ class Master:
         self._last_seen[node] = time.monotonic()
         return {"ok": True, "epoch": epoch, "state": rec["state"], "handover_pending": pending}
 
-    def _membership(self) -> dict:
+    def _membership(self, at_least: int = 0) -> dict:
+        """The local table's membership, once it has applied epoch ``at_least`` (a follower
+        applies a command shortly after the leader has committed it)."""
         with self.cond:
+            self.cond.wait_for(lambda: self.table.epoch >= at_least, timeout=2.0)
             return self.table.membership()
 
     def get_membership(self, req: dict, context: grpc.ServicerContext) -> dict:

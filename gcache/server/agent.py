@@ -55,11 +55,13 @@ class Agent:
         self._stop = threading.Event()
         self.handovers = 0
         self.keys_handed_over = 0
+        self.left = False  # drained: handed everything over and left the cluster
 
     # -- what the data plane asks -----------------------------------------------------------
     @property
     def fenced(self) -> bool:
-        return not self._registered.is_set() or time.monotonic() - self._last_tick > self.fence_after_s
+        return (self.left or not self._registered.is_set()
+                or time.monotonic() - self._last_tick > self.fence_after_s)
 
     def owns(self, namespace: str, key: bytes) -> bool:
         ring = self._ring
@@ -96,7 +98,7 @@ class Agent:
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.left:
             gap = time.monotonic() - self._last_tick if self._last_tick else 0.0
             try:
                 if not self._registered.is_set():
@@ -111,11 +113,14 @@ class Agent:
                 self._changed.wait(self.heartbeat_s)
 
     def _heartbeat(self, gap: float) -> None:
+        # A lease counts from when its heartbeat was *sent*: an answer to a call made before the
+        # process was stopped must not unfence it afterwards.
+        sent_at = time.monotonic()
         replies = self.masters.call_all("Heartbeat", {"node": self.node_id, "inc": self.inc, "epoch": self.epoch},
                                         timeout_s=min(0.5, self.heartbeat_s))
         if not replies:
             if gap <= self.fence_after_s:  # masters down, but we were never away: keep serving
-                self._last_tick = time.monotonic()
+                self._last_tick = sent_at
             return
         if not any(r.get("ok") for r in replies):
             reason = next((r.get("reason") for r in replies if r.get("reason")), "?")
@@ -124,8 +129,15 @@ class Agent:
             return
         epoch = max(int(r["epoch"]) for r in replies)
         if epoch > self.epoch or any(r.get("handover_pending") for r in replies):
-            self._apply_membership(self.masters.membership())
-        self._last_tick = time.monotonic()
+            m = self.masters.membership()
+            me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
+            if me is None or me["inc"] != self.inc or me["state"] == "down":
+                log.warning("membership epoch %d no longer lists this incarnation as live; registering again",
+                            m["epoch"])
+                self._register()
+                return
+            self._apply_membership(m)
+        self._last_tick = sent_at
 
     def _apply_membership(self, m: dict[str, Any]) -> None:
         membership = Membership.from_master(m)
@@ -157,6 +169,12 @@ class Agent:
                 done_epoch = epoch
                 self.handovers += 1
                 log.info("handover for epoch %d done: %d keys moved", epoch, moved)
+                me = next((n for n in self.membership.nodes if n.node_id == self.node_id), None) \
+                    if self.membership else None
+                if me is not None and me.state.value == "draining":
+                    self.left = True
+                    log.info("drained: every key handed over; this node has left the cluster")
+                    return
             except GCacheError as exc:
                 log.warning("handover for epoch %d failed (%s); will retry", epoch, exc)
 

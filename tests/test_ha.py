@@ -1,0 +1,254 @@
+"""Fault tests: a real 3-master Raft group and real daemons on loopback.
+
+Figures for the closing note are printed (pytest -s shows them): leader failover time, time to
+detect a dead daemon, hits retained after a drain and during a join.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gcache import Client, OnNodeError, ServerError, Status
+from gcache import protocol as P
+from gcache.client.connection import Connection
+from gcache.cluster import LocalCluster
+from gcache.meta.master_client import AuthFailed, MasterClient
+from gcache.meta.membership import Membership
+
+
+def poll(pred, timeout, every=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = pred()
+        if out:
+            return out
+        time.sleep(every)
+    return pred()
+
+
+@pytest.fixture
+def ha(tmp_path):
+    clusters = []
+
+    def make(nodes=3, mem="32MiB", disk=None):
+        c = LocalCluster(nodes=nodes, mem=mem, disk=disk, masters=3, root=str(tmp_path / f"c{len(clusters)}"))
+        clusters.append(c)
+        return c.start()
+
+    yield make
+    for c in clusters:
+        c.stop()
+
+
+def master_client(c):
+    return MasterClient(c.master_url, c.token, timeout_s=1.0)
+
+
+def states(mc):
+    return {r["id"]: (r["state"], r["inc"]) for r in mc.membership()["nodes"]}
+
+
+def test_leader_master_killed_new_leader_fast_and_clients_never_notice(ha):
+    c = ha()
+    mc = master_client(c)
+    leader = poll(lambda: mc.call("Status", {})["master"]["leader"], 5)
+    idx = next(i for i, m in enumerate(c.master_procs) if f"--raft {leader}" in " ".join(m.args))
+    keys = [f"k{i}" for i in range(300)]
+    errors, ops = [], [0]
+    stop = threading.Event()
+
+    def load():
+        with Client(c.master_url, token=c.token, timeout_s=1.0) as cl:
+            cl.put(keys, [b"v"] * len(keys))
+            while not stop.is_set():
+                try:
+                    if cl.get(keys[:50]) != [b"v"] * 50 or not all(s is Status.OK for s in cl.put(keys[:20], [b"v"] * 20)):
+                        errors.append("wrong answer")
+                    ops[0] += 1
+                except Exception as exc:  # noqa: BLE001 - any error fails the test
+                    errors.append(repr(exc))
+
+    th = threading.Thread(target=load)
+    th.start()
+    poll(lambda: ops[0] > 5, 5)
+    t0 = time.monotonic()
+    c.kill(idx, master=True)
+    others = MasterClient([m.address for i, m in enumerate(c.master_procs) if i != idx], c.token, timeout_s=0.5)
+
+    def new_leader():
+        try:
+            lead = others.call("Status", {})["master"]["leader"]
+        except Exception:  # noqa: BLE001 - election in progress
+            return None
+        return lead if lead and lead != leader else None
+    assert poll(new_leader, 2.0, every=0.01), "no new leader within 2 s"
+    failover = time.monotonic() - t0
+    before = ops[0]
+    # daemons keep heartbeating the survivors: nobody is declared down
+    time.sleep(0.5 + 3.0)  # longer than --down-after: a missed heartbeat would show now
+    assert all(s == "up" for s, _ in states(others).values())
+    stop.set()
+    th.join()
+    print(f"\nleader failover: {failover * 1000:.0f} ms; client ops after kill: {ops[0] - before}")
+    assert not errors, errors[:3]
+    assert ops[0] > before
+
+
+def test_killed_daemon_is_down_fast_misses_are_bounded_and_disk_keys_return(ha):
+    c = ha(mem="4MiB", disk="128MiB")
+    mc = master_client(c)
+    keys = [f"k{i}" for i in range(400)]
+    vals = [os.urandom(64 * 1024) for _ in keys]  # 25 MiB over 12 MiB of RAM: most go to disk
+    with Client(c.master_url, token=c.token, timeout_s=1.0, on_node_error=OnNodeError.MISS) as cl:
+        for i in range(0, len(keys), 20):
+            assert all(s is Status.OK for s in cl.put(keys[i:i + 20], vals[i:i + 20]))
+        owners = cl.owners(keys)
+        victim = c.daemons[1]
+        on_disk = poll(lambda: (s := cl.stats()[victim.node_id])["demote_queue_bytes"] == 0 and s["disk_keys"], 10)
+        assert on_disk > 0
+        t0 = time.monotonic()
+        c.kill(1)
+        slowest = 0.0
+        while states(mc)[victim.node_id][0] != "down":
+            t = time.monotonic()
+            got = cl.get(keys[:60])
+            slowest = max(slowest, time.monotonic() - t)
+            assert all(g is None or bytes(g) == v for g, v in zip(got, vals))
+            assert time.monotonic() - t0 < 3.0 + 1.0 + 1.0, "not DOWN within down-after + 1 s (+1 s slack)"
+        detect = time.monotonic() - t0
+        assert slowest < 1.5, f"a call took {slowest:.2f}s with a dead node"
+        assert poll(lambda: cl.membership.epoch and victim.node_id not in {
+            n.node_id for n in cl.membership.nodes if n.state.value == "up"}, 3)
+        got = cl.get(keys)
+        for g, v, o in zip(got, vals, owners):
+            if o != victim.node_id:
+                assert g is not None and bytes(g) == v  # other nodes' keys unaffected
+        c.restart(1)
+        assert poll(lambda: states(mc)[victim.node_id] == ("up", 2), 10)
+        assert poll(lambda: cl.membership.owners().get(victim.node_id) is not None, 5)
+        mine = [i for i, o in enumerate(owners) if o == victim.node_id]
+        hits = poll(lambda: sum(g is not None for g in cl.get([keys[i] for i in mine])) >= on_disk, 10)
+        got = cl.get([keys[i] for i in mine])
+        assert all(g is None or bytes(g) == vals[i] for i, g in zip(mine, got))
+        print(f"\ndead daemon DOWN after {detect:.2f} s (down-after 3 s); slowest call meanwhile "
+              f"{slowest * 1000:.0f} ms; after restart {sum(g is not None for g in got)}/{len(mine)} of its keys hit "
+              f"({on_disk} were on its disk)")
+        assert hits
+
+
+def test_stopped_daemon_never_serves_under_an_old_epoch(ha):
+    c = ha()
+    mc = master_client(c)
+    victim = c.daemons[2]
+    with Client(c.master_url, token=c.token, timeout_s=1.0) as cl:
+        keys = [f"k{i}" for i in range(200)]
+        cl.put(keys, [b"old"] * len(keys))
+        old_epoch = cl.membership.epoch
+        mine = [k for k, o in zip(keys, cl.owners(keys)) if o == victim.node_id]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        assert poll(lambda: states(mc)[victim.node_id][0] == "down", 8)
+        down_epoch = mc.membership()["epoch"]
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    conn = Connection(victim.node_id, victim.address, 2.0, c.token)
+    served_epochs, fenced = [], 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(served_epochs) < 20:
+        conn.send(P.Op.GET, {"ns": "default", "keys": [k.encode() for k in mine[:5]], "ep": old_epoch}, [],
+                  time.monotonic() + 2, 2.0)
+        try:
+            meta, plen = conn.recv_reply(time.monotonic() + 2)
+            conn.discard(plen, time.monotonic() + 2)
+            served_epochs.append(meta["ep"])
+        except ServerError as exc:
+            assert exc.code == P.ErrorCode.FENCED
+            fenced += 1
+    conn.close()
+    assert served_epochs, "never served again after SIGCONT"
+    assert min(served_epochs) > down_epoch, "served under the epoch in which it was declared down"
+    assert states(mc)[victim.node_id] == ("up", 2)  # re-registered with a new incarnation first
+    print(f"\nafter SIGCONT: {fenced} requests refused as FENCED, then served at epoch >= {min(served_epochs)} "
+          f"(declared down at {down_epoch})")
+
+
+def test_drain_keeps_99_percent_of_10k_keys(ha):
+    c = ha()
+    mc = master_client(c)
+    keys = [f"key-{i}" for i in range(10_000)]
+    with Client(c.master_url, token=c.token, timeout_s=5.0) as cl:
+        for i in range(0, len(keys), 500):
+            cl.put(keys[i:i + 500], [k.encode() * 8 for k in keys[i:i + 500]])
+        victim = c.daemons[0].node_id
+        held = sum(o == victim for o in cl.owners(keys))
+        t0 = time.monotonic()
+        mc.call("Drain", {"node": victim}, timeout_s=5)
+        assert poll(lambda: victim not in states(mc), 60), "drain did not finish"
+        took = time.monotonic() - t0
+        assert poll(lambda: victim not in {n.node_id for n in cl.membership.nodes}, 5)
+        got = cl.get(keys)
+        hits = sum(g is not None and bytes(g) == k.encode() * 8 for g, k in zip(got, keys))
+    print(f"\ndrain of {held} keys took {took:.2f} s; afterwards {hits}/{len(keys)} keys hit")
+    assert hits >= 0.99 * len(keys)
+
+
+def test_join_keeps_95_percent_hits_during_and_after_handover(ha):
+    c = ha()
+    mc = master_client(c)
+    keys = [f"key-{i}" for i in range(6_000)]
+    rates: list[tuple[float, float]] = []
+    stop = threading.Event()
+    with Client(c.master_url, token=c.token, timeout_s=5.0) as cl:
+        for i in range(0, len(keys), 500):
+            cl.put(keys[i:i + 500], [b"x" * 512] * 500)
+
+        def reader():
+            i = 0
+            while not stop.is_set():
+                batch = keys[(i * 200) % len(keys):][:200]
+                got = cl.get(batch)
+                rates.append((time.monotonic(), sum(g is not None for g in got) / len(batch)))
+                i += 1
+
+        th = threading.Thread(target=reader)
+        th.start()
+        poll(lambda: len(rates) > 3, 5)
+        t_join = time.monotonic()
+        new = c.add_node()
+        assert poll(lambda: (m := mc.membership())["transition"] is None and any(
+            r["id"] == new.node_id and r["state"] == "up" for r in m["nodes"]), 30)
+        t_done = time.monotonic()
+        poll(lambda: len([r for t, r in rates if t > t_done]) >= 5, 10)
+        stop.set()
+        th.join()
+        moved = sum(o == new.node_id for o in cl.owners(keys))
+        final = sum(g is not None for g in cl.get(keys)) / len(keys)
+    during = [r for t, r in rates if t_join <= t <= t_done]
+    after = [r for t, r in rates if t > t_done]
+    during_rate = sum(during) / max(1, len(during))
+    print(f"\njoin: {moved} keys moved to the new node; hit rate during handover {during_rate:.3f} "
+          f"(worst batch {min(during, default=1):.3f}), after {final:.3f}; handover took {t_done - t_join:.2f} s")
+    assert moved > 0.15 * len(keys)
+    assert during_rate >= 0.95 and final >= 0.95
+
+
+def test_wrong_token_is_refused_and_the_cluster_is_unaffected(ha):
+    c = ha(nodes=2)
+    with pytest.raises(AuthFailed):
+        MasterClient(c.master_url, "not-the-token").membership()
+    m = Membership.from_master(master_client(c).membership())
+    for token in ("not-the-token", None):
+        bad = Client(m, token=token, timeout_s=1.0)
+        if token is None:
+            bad._pool.token = None  # no HELLO at all
+        with pytest.raises(ServerError) as err:
+            bad.put_one("k", b"v")
+        assert err.value.code == P.ErrorCode.AUTH
+        bad.close()
+    with Client(c.master_url, token=c.token) as good:
+        assert good.put_one("k", b"v") is Status.OK and good.get_one("k") == b"v"
+    log = open(c.daemons[0].log_path).read() + open(c.daemons[1].log_path).read()
+    assert "cluster token" in log
