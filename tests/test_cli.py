@@ -70,14 +70,46 @@ def test_daemon_refuses_bad_sizes_clearly():
 def test_bench_json_has_the_documented_schema(tmp_path):
     out = tmp_path / "bench.json"
     p = run("bench", "--nodes", "2", "--mem", "64MiB", "--sizes", "64KiB", "--threads", "1", "--seconds", "0.2",
-            "--no-progress", "--json", str(out))
+            "--ops", "put,get", "--peers", "none", "--no-plots", "--no-progress", "--json", str(out))
     assert "ratio" in p.stdout
     doc = json.loads(out.read_text())
     recs = doc["records"]
     assert {(r["system"], r["op"]) for r in recs} == {("socket", "put"), ("socket", "get"),
+                                                       ("memcpy", "put"), ("memcpy", "get"),
                                                        ("gcache", "put"), ("gcache", "get")}
     for r in recs:
-        for field in ("op", "value_bytes", "batch", "threads", "gbps", "p50_ms", "p99_ms", "ceiling_gbps", "ratio"):
+        for field in ("system", "op", "value_bytes", "batch", "threads", "gbps", "ops_per_s", "p50_ms", "p99_ms",
+                      "p999_ms", "ceiling_gbps", "ratio"):
             assert field in r
-        assert r["gbps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        assert r["gbps"] > 0 and r["p999_ms"] >= r["p99_ms"] >= r["p50_ms"] > 0
     assert doc["machine"]["cpus"] >= 1
+
+
+def test_up_with_masters_status_and_drain(tmp_path):
+    up = subprocess.Popen([*GCACHE, "up", "--nodes", "2", "--mem", "32MiB", "--masters", "1", "--dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        env = dict(os.environ)
+        deadline = time.monotonic() + 30
+        while "GCACHE_NODES" not in env and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, up.stderr.read()
+            if line.startswith("export "):
+                k, v = line[len("export "):].strip().split("=", 1)
+                env[k] = v
+        status = run("status", env=env).stdout
+        assert "node0" in status and "node1" in status and status.count("UP") == 2
+        doc = json.loads(run("status", "--json", env=env).stdout)
+        assert doc["membership"]["epoch"] >= 2 and doc["master"]["is_leader"]
+        out = run("drain", "node0", env=env).stdout
+        assert "node0 drained and left the cluster" in out
+        assert "node0" not in run("status", env=env).stdout
+        bad = run("drain", "node1", env=env, check=False)
+        assert bad.returncode == 1 and "last node" in bad.stderr
+        no_token = {k: v for k, v in env.items() if k not in ("GCACHE_TOKEN_FILE", "GCACHE_TOKEN")}
+        refused = run("status", env=no_token, check=False)
+        assert refused.returncode == 1 and "token" in refused.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=30)
+    assert up.returncode == 0
