@@ -1,6 +1,6 @@
 """gcache: a distributed KV-cache store for LLM inference."""
 
-from gcache.client import Client, GetResult, OnNodeError
+from gcache.client import Client, GetResult, LocalPath, OnNodeError
 from gcache.errors import (
     CallTimeout,
     ConfigError,
@@ -12,7 +12,7 @@ from gcache.errors import (
 from gcache.protocol import Status
 
 __all__ = [
-    "CallTimeout", "Client", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult",
+    "CallTimeout", "Client", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult", "LocalPath",
     "OnNodeError", "ProtocolError", "ServerError", "Status",
 ]
 __version__ = "0.1.0"

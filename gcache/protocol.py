@@ -48,6 +48,12 @@ class Op(enum.IntEnum):
     DELETE = 5
     STATS = 6
     HELLO = 7  # {"token": str}: first request on a connection when the cluster has a token
+    # Local shared-memory path (Unix socket only; see gcache.server.local):
+    LMAP = 8  # reply carries the arena's memfd (SCM_RIGHTS) and {"size", "id"}
+    LGET = 9  # pin values, reply their arena offsets under a lease
+    LDONE = 10  # release leases; reply whether each was still held (copy valid)
+    LALLOC = 11  # reserve slots, reply their offsets under a lease
+    LCOMMIT = 12  # make reserved slots visible (if the lease is still held)
 
 
 class Status(enum.IntEnum):

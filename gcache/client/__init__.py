@@ -1,3 +1,3 @@
-from gcache.client.client import Client, GetResult, OnNodeError
+from gcache.client.client import Client, GetResult, LocalPath, OnNodeError
 
-__all__ = ["Client", "GetResult", "OnNodeError"]
+__all__ = ["Client", "GetResult", "LocalPath", "OnNodeError"]

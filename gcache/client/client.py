@@ -30,6 +30,15 @@ from gcache.protocol import Op, Status, namespace_error
 KeyLike = str | bytes
 
 
+class LocalPath(enum.Enum):
+    """The shared-memory path to a daemon on this host: AUTO uses it when the daemon offers it
+    (else TCP), OFF never, FORCE always (failing when it is not available)."""
+
+    AUTO = "auto"
+    OFF = "off"
+    FORCE = "force"
+
+
 class OnNodeError(enum.Enum):
     """What a batch does when an owning node fails: RAISE the typed error after the other
     owners have answered, or report its keys as UNAVAILABLE (gets and exists become misses)."""
@@ -71,12 +80,14 @@ class Client:
         connect_timeout_s: float = 0.5,
         on_node_error: OnNodeError = OnNodeError.RAISE,
         token: str | None = None,
+        local: LocalPath = LocalPath.AUTO,
         vnodes: int = DEFAULT_VNODES,
         max_idle_per_node: int = 8,
     ) -> None:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
-        the cluster token (default $GCACHE_TOKEN), sent to masters and daemons."""
+        the cluster token (default $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
+        the shared-memory path to daemons on this host (AUTO: when reachable, else TCP)."""
         err = namespace_error(namespace)
         if err:
             raise ConfigError(err)
@@ -87,7 +98,8 @@ class Client:
         self.on_node_error = OnNodeError(on_node_error)
         self.token = token if token is not None else load_token(None)
         self._vnodes = vnodes
-        self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token)
+        self.local = LocalPath(local)
+        self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token, self.local.value)
         self._lock = threading.Lock()
         self._watcher: MembershipWatcher | None = None
         self._may_refresh = rate_limited(0.05)
@@ -183,8 +195,23 @@ class Client:
             for i, st in zip(idxs, _statuses(meta, len(idxs), conn.node)):
                 status[i] = st
 
+        def local(idxs: list[int], conn: Connection, meta: dict, deadline: float) -> None:
+            """Reserve slots in the daemon's arena, copy the values in, commit."""
+            arena = conn.arena
+            assert arena is not None
+            reply = conn.call(Op.LALLOC, meta, deadline)
+            reserved = _statuses(reply, len(idxs), conn.node)
+            for i, st, off in zip(idxs, reserved, reply.get("off") or []):
+                if st is Status.OK:
+                    for part in views[i]:
+                        arena[off:off + len(part)] = part
+                        off += len(part)
+            done = _statuses(conn.call(Op.LCOMMIT, {"ls": reply["ls"]}, deadline), len(idxs), conn.node)
+            for i, st0, st in zip(idxs, reserved, done):
+                status[i] = st if st0 is Status.OK else st0
+
         ns = namespace or self.namespace
-        self._fanout(Op.PUT, ns, keys, build, finish, status)
+        self._fanout(Op.PUT, ns, keys, build, finish, status, local=local)
         return status
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,
@@ -279,7 +306,45 @@ class Client:
                 status[i] = Status.OK
                 sizes[i] = sz
 
-        self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True)
+        def local(idxs: list[int], conn: Connection, meta: dict, deadline: float) -> None:
+            """Pin the values under a lease, copy them out of the mapped arena, release the lease;
+            a lease that expired meanwhile turns its keys into misses (never torn bytes)."""
+            arena = conn.arena
+            assert arena is not None
+            reply = conn.call(Op.LGET, meta, deadline, keep_payload=True)
+            sts = _statuses(reply, len(idxs), conn.node)
+            szs, offs = reply.get("sz"), reply.get("off")
+            if not isinstance(szs, list) or not isinstance(offs, list) or len(szs) != len(idxs) != len(offs):
+                conn.broken = True
+                raise ProtocolError(f"{conn.node}: LGET reply without one size and offset per key")
+            copied = []
+            for i, st, sz, off in zip(idxs, sts, szs, offs):
+                if st is not Status.OK:
+                    status[i] = st
+                    continue
+                if views is None:
+                    bufs[i] = bytearray(sz)
+                    dest = memoryview(bufs[i])
+                else:
+                    dest = views[i]
+                if _nbytes(dest) < sz:
+                    if off < 0:
+                        conn.discard(sz, deadline)
+                    status[i], sizes[i] = Status.BUFFER_TOO_SMALL, sz
+                    continue
+                if off < 0:  # sent inline (not in the arena)
+                    _recv_parts(conn, dest, sz, deadline)
+                else:
+                    _copy_parts(arena[off:off + sz], dest)
+                    copied.append(i)
+                status[i], sizes[i] = Status.OK, sz
+            if reply.get("ls"):
+                held = conn.call(Op.LDONE, {"ls": [reply["ls"]]}, deadline).get("ok")
+                if held != [True]:
+                    for i in copied:  # the lease expired during the copy: the bytes may be torn
+                        status[i], sizes[i] = Status.NOT_FOUND, 0
+
+        self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True, local=local)
         return GetResult(status, sizes), bufs
 
     def _keys_only(self, op: Op, keys: Sequence[KeyLike], namespace: str | None,
@@ -303,7 +368,7 @@ class Client:
     def _fanout(self, op: Op, ns: str, keys: Sequence[KeyLike],
                 build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                 finish: Callable[[list[int], dict, int, Connection, float], None],
-                status: list[Status], fallback: bool = False) -> None:
+                status: list[Status], fallback: bool = False, local: Callable | None = None) -> None:
         """Run a batch: one request per owner, all owners at once. Keys a node refuses as
         NOT_OWNER (our membership was stale) are retried once on the refreshed membership; with
         ``fallback``, misses during a handover are looked up on the key's previous owner. Failed
@@ -318,14 +383,14 @@ class Client:
         view = self._view
         deadline = time.monotonic() + self.timeout_s
         seen = self._round(op, ns, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
-                           build, finish, status, failures, deadline)
+                           build, finish, status, failures, deadline, local)
         if seen > view.epoch and self._may_refresh():
             self.refresh_membership()
         retry = [i for i, st in enumerate(status) if st is Status.NOT_OWNER]
         if retry and (self._view.epoch > view.epoch or self.refresh_membership()):
             view = self._view
             self._round(op, ns, kbytes, retry, view.ring, view.addr, view.epoch, False,
-                        build, finish, status, failures, deadline)
+                        build, finish, status, failures, deadline, local)
         if fallback and view.prev_ring is not None and view.prev_addr:
             misses = [i for i, st in enumerate(status) if st is Status.NOT_FOUND]
             if misses:
@@ -333,7 +398,7 @@ class Client:
                 before = view.prev_ring.owners(ns, [kbytes[i] for i in misses])
                 moved = [i for i, a, b in zip(misses, now, before) if a != b and b in view.prev_addr]
                 self._round(op, ns, kbytes, moved, view.prev_ring, view.prev_addr, view.epoch, True,
-                            build, finish, status, failures, deadline)
+                            build, finish, status, failures, deadline, local)
         if failures and self.on_node_error is OnNodeError.RAISE:
             raise failures[0]
 
@@ -341,15 +406,18 @@ class Client:
                addr: dict[str, str], epoch: int, fallback: bool,
                build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                finish: Callable[[list[int], dict, int, Connection, float], None],
-               status: list[Status], failures: list[GCacheError], deadline: float) -> int:
+               status: list[Status], failures: list[GCacheError], deadline: float,
+               local: Callable | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
-        epoch a reply carried."""
+        epoch a reply carried. Owners reached over the local path are served by ``local`` (a
+        copy through the mapped arena) while the remote requests are in flight."""
         if not which:
             return 0
         groups: dict[str, list[int]] = {}
         for i, owner in zip(which, ring.owners(ns, [kbytes[i] for i in which])):
             groups.setdefault(owner, []).append(i)
         epochs = [0]
+        local_jobs: list[tuple[list[int], Connection, dict]] = []
         sending: dict[int, tuple[list[int], Connection]] = {}
         for node, idxs in groups.items():
             conn = None
@@ -362,6 +430,9 @@ class Client:
                     meta["ep"] = epoch
                 if fallback:
                     meta["fb"] = 1
+                if conn.arena is not None and local is not None:
+                    local_jobs.append((idxs, conn, meta))
+                    continue
                 conn.prepare(op, meta, payload, self.timeout_s)
                 sending[conn.sock.fileno()] = (idxs, conn)
             except GCacheError as exc:
@@ -380,6 +451,14 @@ class Client:
         # up the others; then read each reply as soon as its owner has started answering.
         receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
                                     lambda idxs, conn: conn.send_some(deadline))
+        for idxs, conn, meta in local_jobs:
+            assert local is not None
+            try:
+                local(idxs, conn, meta, deadline)
+                epochs.append(conn.last_epoch)
+                self._pool.put(conn)
+            except GCacheError as exc:
+                self._failed(idxs, conn, exc, status, failures)
         self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
         return max(epochs)
 
@@ -460,6 +539,20 @@ def _parts(value: Any, writable: bool = False) -> list[memoryview]:
     if isinstance(value, (list, tuple)):
         return [as_view(v, writable=writable) for v in value]
     return [as_view(value, writable=writable)]
+
+
+def _copy_parts(src: memoryview, dest: memoryview | list[memoryview]) -> None:
+    """Copy ``src`` into one view or, in order, into several (one memcpy each)."""
+    if not isinstance(dest, list):
+        dest[: len(src)] = src
+        return
+    pos = 0
+    for part in dest:
+        n = min(len(part), len(src) - pos)
+        if n <= 0:
+            break
+        part[:n] = src[pos:pos + n]
+        pos += n
 
 
 def _nbytes(dest: memoryview | list[memoryview]) -> int:

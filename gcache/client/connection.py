@@ -6,6 +6,8 @@ against a deadline; a connection that failed mid-frame is closed, never reused.
 
 from __future__ import annotations
 
+import mmap
+import os
 import select
 import socket
 import threading
@@ -20,7 +22,8 @@ from gcache.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all, tune
 
 
 class Connection:
-    def __init__(self, node: str, address: str, connect_timeout_s: float, token: str | None = None) -> None:
+    def __init__(self, node: str, address: str, connect_timeout_s: float, token: str | None = None,
+                 unix: str | None = None) -> None:
         self.node = node
         self.address = address
         self.broken = False
@@ -30,10 +33,21 @@ class Connection:
         self._out: list[Any] = []
         self._out_i = 0
         self._timeout = connect_timeout_s
+        self.arena: memoryview | None = None  # the daemon's arena, mapped (local path only)
+        self.last_epoch = 0
         host, _, port = address.rpartition(":")
         with self._io(time.monotonic() + connect_timeout_s):
-            self.sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
-        tune(self.sock)
+            if unix is not None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(connect_timeout_s)
+                try:
+                    self.sock.connect(unix)
+                except OSError:
+                    self.sock.close()
+                    raise
+            else:
+                self.sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
+                tune(self.sock)
         if token is not None:  # the data-plane handshake: prove the cluster token once
             deadline = time.monotonic() + connect_timeout_s
             try:
@@ -135,6 +149,44 @@ class Connection:
             raise ServerError(self.node, int(meta.get("code", 0)), str(meta.get("msg", "refused")))
         return meta, payload_len
 
+    def call(self, op: int, meta: dict[str, Any], deadline: float, keep_payload: bool = False) -> dict[str, Any]:
+        """One request without payload, and its reply's metadata. Unless ``keep_payload``, a reply
+        payload is an error. The reply's epoch is kept in ``last_epoch``."""
+        self.send(op, meta, [], deadline, self._timeout)
+        reply, plen = self.recv_reply(deadline)
+        if plen and not keep_payload:
+            self.broken = True
+            raise ProtocolError(f"{self.node}: unexpected payload in a {P.Op(op).name} reply")
+        ep = reply.get("ep")
+        if isinstance(ep, int):
+            self.last_epoch = ep
+        return reply
+
+    def map_arena(self, deadline: float) -> tuple[dict[str, Any], int]:
+        """LMAP: the daemon's arena memfd (passed over SCM_RIGHTS) and {"size", "id"}."""
+        self.send(P.Op.LMAP, {}, [], deadline, self._timeout)
+        buf, fds = bytearray(), []
+        with self._io(deadline):
+            need = P.HEADER_SIZE
+            while len(buf) < need:
+                msg, got, _flags, _addr = socket.recv_fds(self.sock, 65536, 1)
+                if not msg:
+                    raise ConnectionResetError("peer closed the connection during LMAP")
+                buf += msg
+                fds += got
+                if len(buf) >= P.HEADER_SIZE:
+                    need = P.HEADER_SIZE + P.unpack_header(buf[: P.HEADER_SIZE])[4]
+        self._pending.pop(0)
+        _v, _op, flags, _rid, meta_len, _plen = P.unpack_header(buf[: P.HEADER_SIZE])
+        meta = P.decode_meta(bytes(buf[P.HEADER_SIZE:need]))
+        if flags & P.FLAG_ERROR or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise ServerError(self.node, int(meta.get("code", 0)), str(meta.get("msg", "no arena descriptor")))
+        for fd in fds[1:]:
+            os.close(fd)
+        return meta, fds[0]
+
     def recv_into(self, view: memoryview, deadline: float) -> None:
         with self._io(deadline):
             recv_exact(self.sock, view)
@@ -160,12 +212,29 @@ class Connection:
             pass
 
 
-class Pool:
-    """Idle connections per node; a checked-out connection belongs to one call at a time."""
+def is_local_host(host: str) -> bool:
+    """Whether HOST names this machine (loopback, or one of its own addresses)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return host in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
 
-    def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None) -> None:
+
+class Pool:
+    """Idle connections per node; a checked-out connection belongs to one call at a time.
+
+    With the local path on, a daemon on this host is reached over its Unix socket and its arena
+    is mapped once per daemon incarnation (shared by every connection to it)."""
+
+    def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None,
+                 local: str = "auto") -> None:
         self.connect_timeout_s = connect_timeout_s
         self.token = token
+        self.local = local  # "auto" | "off" | "force"
+        self._arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}
+        self._no_local: dict[str, float] = {}  # node -> when the local path last failed
         self.max_idle = max_idle_per_node
         self._idle: dict[str, list[Connection]] = {}
         self._lock = threading.Lock()
@@ -178,7 +247,41 @@ class Pool:
                 if conn.address == address and conn.idle_ok():
                     return conn
                 conn.close()
+        if self.local != "off" and is_local_host(address.rpartition(":")[0]):
+            failed = self._no_local.get(node)
+            if self.local == "force" or failed is None or time.monotonic() - failed > 5.0:
+                try:
+                    return self._local_connection(node, address)
+                except GCacheError:
+                    if self.local == "force":
+                        raise
+                    self._no_local[node] = time.monotonic()
         return Connection(node, address, self.connect_timeout_s, self.token)
+
+    def _local_connection(self, node: str, address: str) -> Connection:
+        from gcache.server.local import unix_name
+
+        conn = Connection(node, address, self.connect_timeout_s, self.token, unix=unix_name(address))
+        try:
+            meta, fd = conn.map_arena(time.monotonic() + self.connect_timeout_s)
+        except GCacheError:
+            conn.close()
+            raise
+        with self._lock:
+            cached = self._arenas.get(node)
+            if cached is not None and cached[0] == meta["id"]:
+                os.close(fd)
+                conn.arena = cached[2]
+                return conn
+        try:
+            mm = mmap.mmap(fd, int(meta["size"]), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        view = memoryview(mm)
+        with self._lock:
+            self._arenas[node] = (meta["id"], mm, view)
+        conn.arena = view
+        return conn
 
     def put(self, conn: Connection) -> None:
         if conn.broken or conn._pending:

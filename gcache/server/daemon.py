@@ -13,6 +13,7 @@ from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.server.agent import Agent
+from gcache.server.local import LocalServer
 from gcache.server.server import DataServer
 from gcache.sizes import parse_size
 from gcache.tier.pools import PoolBudget
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
                         "the address is printed at start-up and written to READY_FILE.metrics")
+    p.add_argument("--no-local", action="store_true",
+                   help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
+    p.add_argument("--lease", type=float, default=5.0,
+                   help="seconds a local client may hold pinned or reserved slots (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -75,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
                           config.mem_bytes + config.disk_bytes, store, token,
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
             server.agent = agent
+        local = None
+        if not args.no_local:
+            if args.lease <= 0:
+                raise ConfigError("--lease must be > 0 seconds")
+            local = LocalServer(store, server.address, server.node_id, server.max_payload, token, args.lease)
+            local.agent = agent
         metrics = None
         if args.metrics_port is not None:
             from gcache.server.handler import Handler
@@ -90,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
+    if local is not None:
+        local.start()
     if agent is not None:
         agent.start()
         if not agent.wait_registered(30):
@@ -116,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("stopping")
     if agent is not None:
         agent.stop()
+    if local is not None:
+        local.stop()
     server.stop()
     if metrics is not None:
         metrics.stop()

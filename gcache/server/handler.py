@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from gcache.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
-DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE)
+LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
+DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 
 
 class Refused(Exception):
@@ -54,6 +55,7 @@ class Handler:
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._scratch = memoryview(bytearray(DRAIN_CHUNK))
         self._owner_check = None
+        self.extra_ops: dict[Op, Any] = {}  # ops a subclass serves (the local path)
 
     def serve(self) -> None:
         """Serve until the peer closes or sends a frame that cannot be trusted."""
@@ -106,6 +108,14 @@ class Handler:
                 self._owner_check = self._ownership_rule(meta)
             else:
                 self._owner_check = None
+            extra = self.extra_ops.get(op)
+            if extra is not None:
+                if payload_len:
+                    raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
+                extra(req_id, meta)
+                return True
+            if op in LOCAL_OPS:
+                raise Refused(ErrorCode.UNKNOWN_OP, f"{op.name} is only served on the local (Unix socket) path")
             if op is Op.PUT:
                 reply, consumed = self._put(meta, payload_len)
                 self._reply(op, req_id, reply)

@@ -1,0 +1,250 @@
+"""The local shared-memory path: a Unix socket beside the TCP port, for clients on this host.
+
+A local client receives the arena's memfd once (LMAP, over SCM_RIGHTS), maps it, and then
+copies values directly between the arena and its own buffers: one copy, no socket payload.
+
+* LGET pins each hit slot and answers its arena offset under a *lease*; the client copies, then
+  LDONE releases the lease and says whether it was still held. A lease that expired (a client
+  that stalled) was released by the reaper, so its slots may have been reused: the client then
+  reports those keys as misses. Values are therefore never returned torn.
+* LALLOC reserves slots and answers their offsets under a lease; the client copies the values
+  in; LCOMMIT makes them visible. A client that dies or stalls before committing has its
+  reservations aborted (on disconnect, or when the lease expires), so no slot leaks.
+
+Values that are not in the arena (an NVMe hit that could not be promoted) are sent inline.
+The socket lives in the abstract namespace (``\\0gcache/HOST:PORT``): nothing on disk to clean
+up, and only processes on this host (in this network namespace) can reach it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from gcache import protocol as P
+from gcache.protocol import Op, Status
+from gcache.server.handler import Handler, Refused, parse_pool_meta
+from gcache.tier.store import Hit, Reservation, Store
+
+
+log = logging.getLogger(__name__)
+
+
+def unix_name(tcp_address: str) -> str:
+    """The abstract Unix socket name of the daemon listening on ``tcp_address``."""
+    return f"\0gcache/{tcp_address}"
+
+
+class _Lease:
+    __slots__ = ("deadline", "hits", "reservations", "ns", "ttl", "pos", "tail")
+
+    def __init__(self, deadline: float, hits: list[Hit] | None = None,
+                 reservations: list[tuple[bytes, Reservation | None]] | None = None, ns: str = "",
+                 ttl: float = 0.0, pos: list[int] | None = None, tail: list[int] | None = None) -> None:
+        self.deadline, self.hits, self.reservations, self.ns, self.ttl = deadline, hits, reservations, ns, ttl
+        self.pos, self.tail = pos, tail
+
+
+class LocalHandler(Handler):
+    def __init__(self, sock: socket.socket, server: LocalServer) -> None:
+        super().__init__(sock, server.store, server.node_id, server.max_payload, server.token, server.agent)
+        self.server = server
+        self.lease_s = server.lease_s
+        self._leases: dict[int, _Lease] = {}
+        self._next_lease = 1
+        self._lease_lock = threading.Lock()
+        self.extra_ops = {Op.LMAP: self._lmap, Op.LGET: self._lget, Op.LDONE: self._ldone,
+                          Op.LALLOC: self._lalloc, Op.LCOMMIT: self._lcommit}
+
+    # -- leases -----------------------------------------------------------------------------
+    def _new_lease(self, lease: _Lease) -> int:
+        with self._lease_lock:
+            lid = self._next_lease
+            self._next_lease += 1
+            self._leases[lid] = lease
+            return lid
+
+    def _take(self, lid: Any) -> _Lease | None:
+        with self._lease_lock:
+            return self._leases.pop(lid, None) if isinstance(lid, int) else None
+
+    def _drop(self, lease: _Lease) -> None:
+        for hit in lease.hits or ():
+            self.store.release(hit)
+        for _key, res in lease.reservations or ():
+            if res is not None:
+                self.store.abort(res)
+
+    def expire(self, now: float) -> int:
+        """Release leases past their deadline (called by the reaper); returns how many."""
+        with self._lease_lock:
+            dead = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+            leases = [self._leases.pop(lid) for lid in dead]
+        for lease in leases:
+            self._drop(lease)
+        if leases:
+            log.warning("%d lease(s) of %s expired; their slots were released", len(leases), self._peer())
+        return len(leases)
+
+    def release_all(self) -> None:
+        with self._lease_lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            self._drop(lease)
+
+    # -- ops --------------------------------------------------------------------------------
+    def _lmap(self, req_id: int, meta: dict[str, Any]) -> None:
+        raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id})
+        head = P.pack_header(Op.LMAP, P.FLAG_REPLY, req_id, len(raw), 0)
+        socket.send_fds(self.sock, [head + raw], [self.store.arena.fd])
+
+    def _lget(self, req_id: int, meta: dict[str, Any]) -> None:
+        ns, keys = self._ns_keys(meta)
+        hits: list[Hit] = []
+        inline: list[Hit] = []
+        status, sizes, offs = [], [], []
+        for key in keys:
+            refused = self._key_status(ns, key)
+            hit = None if refused is not None else self.store.acquire((ns, key))
+            if hit is None:
+                status.append(int(refused if refused is not None else Status.NOT_FOUND))
+                sizes.append(0)
+                offs.append(-1)
+                continue
+            status.append(int(Status.OK))
+            sizes.append(len(hit.view))
+            if hit.entry is not None:
+                hits.append(hit)
+                offs.append(hit.entry.off)
+            else:
+                inline.append(hit)
+                offs.append(-1)
+        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, hits=hits)) if hits else 0
+        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid}, 0,
+                    [h.view for h in inline])
+
+    def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
+        ids = meta.get("ls")
+        if not isinstance(ids, list):
+            raise Refused(P.ErrorCode.BAD_META, "LDONE needs 'ls': a list of lease ids")
+        held = []
+        for lid in ids:
+            lease = self._take(lid)
+            held.append(lease is not None)
+            if lease is not None:
+                self._drop(lease)
+        self._reply(Op.LDONE, req_id, {"ok": held})
+
+    def _lalloc(self, req_id: int, meta: dict[str, Any]) -> None:
+        ns, keys = self._ns_keys(meta)
+        sizes = meta.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != len(keys) or any(
+                not isinstance(s, int) or s < 0 for s in sizes):
+            raise Refused(P.ErrorCode.BAD_META, "LALLOC needs 'sizes': one non-negative int per key")
+        ttl = meta.get("ttl", 0)
+        if not isinstance(ttl, (int, float)) or ttl < 0:
+            raise Refused(P.ErrorCode.BAD_META, "'ttl' must be a number of seconds >= 0")
+        pooled = parse_pool_meta(meta, len(keys), "LALLOC")  # optional pool / pos / tail, as for PUT
+        if isinstance(pooled, str):
+            raise Refused(P.ErrorCode.BAD_META, f"LALLOC {pooled}")
+        pool, pos, tail = pooled
+        group = (ns, pool) if pool is not None else None
+        status, offs, reservations = [], [], []
+        for key, size in zip(keys, sizes):
+            refused = self._key_status(ns, key)
+            res = self.store.reserve(size, group) if refused is None else refused
+            if isinstance(res, Status):
+                status.append(int(res))
+                offs.append(-1)
+                reservations.append((key, None))
+            else:
+                status.append(int(Status.OK))
+                offs.append(res.off)
+                reservations.append((key, res))
+        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, ttl=ttl,
+                                     pos=list(pos), tail=list(tail) if tail else None))
+        self._reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
+
+    def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
+        lease = self._take(meta.get("ls"))
+        if lease is None:
+            raise Refused(P.ErrorCode.BAD_META, "lease unknown or expired: the values were not stored")
+        status = []
+        for i, (key, res) in enumerate(lease.reservations or ()):
+            if res is None:
+                status.append(int(Status.ERROR))
+            else:
+                self.store.commit((lease.ns, key), res, lease.ttl, lease.pos[i] if lease.pos else 0,
+                                  lease.tail[i] if lease.tail else 0)
+                status.append(int(Status.OK))
+        self._reply(Op.LCOMMIT, req_id, {"st": status})
+
+
+class LocalServer:
+    """Accepts local clients on the abstract Unix socket; one thread per connection."""
+
+    def __init__(self, store: Store, tcp_address: str, node_id: str, max_payload: int,
+                 token: str | None = None, lease_s: float = 5.0) -> None:
+        import secrets
+
+        self.store, self.node_id, self.max_payload, self.token = store, node_id, max_payload, token
+        self.agent = None
+        self.lease_s = lease_s
+        self.arena_id = secrets.token_hex(8)
+        self.name = unix_name(tcp_address)
+        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lsock.bind(self.name)
+        self._lsock.listen(128)
+        self._handlers: set[LocalHandler] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self) -> LocalServer:
+        threading.Thread(target=self._accept_loop, name="gcache-local-accept", daemon=True).start()
+        threading.Thread(target=self._reap_loop, name="gcache-lease-reaper", daemon=True).start()
+        return self
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="gcache-local", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        handler = LocalHandler(sock, self)
+        with self._lock:
+            self._handlers.add(handler)
+        try:
+            handler.serve()
+        finally:
+            with self._lock:
+                self._handlers.discard(handler)
+            handler.release_all()  # a client that went away leaves no pin or reservation behind
+            sock.close()
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(min(0.2, self.lease_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                handlers = list(self._handlers)
+            for h in handlers:
+                h.expire(now)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._lsock.close()
+        with self._lock:
+            for h in self._handlers:
+                try:
+                    h.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+
