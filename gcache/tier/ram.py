@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from gcache.tier.allocator import ExtentAllocator
 from gcache.tier.arena import Arena
+
+if TYPE_CHECKING:
+    from gcache.tier.pools import PoolGroup
 
 Key = tuple[str, bytes]  # (namespace, key)
 
@@ -14,9 +19,12 @@ Key = tuple[str, bytes]  # (namespace, key)
 class RamEntry:
     """One value in the arena. ``pins`` counts readers copying out of the slot; a pinned slot is
     never reused, so an entry overwritten or evicted while pinned is only marked ``dead`` and its
-    slot is freed by the last unpin."""
+    slot is freed by the last unpin. ``group``/``pos``/``tail``/``okey``: pool membership, chain
+    position, restore-point mark and eviction order key (see gcache.tier.pools); None/0 when
+    untagged."""
 
-    __slots__ = ("off", "size", "expires", "pins", "dead", "on_disk", "superseded")
+    __slots__ = ("off", "size", "expires", "pins", "dead", "on_disk", "superseded",
+                 "group", "pos", "tail", "okey")
 
     def __init__(self, off: int, size: int, expires: float, on_disk: bool = False) -> None:
         self.off = off
@@ -26,17 +34,27 @@ class RamEntry:
         self.dead = False
         self.on_disk = on_disk  # an identical copy is indexed in the NVMe tier
         self.superseded = False  # set while demoting if the key was overwritten or deleted
+        self.group: PoolGroup | None = None
+        self.pos = 0
+        self.tail = 0
+        self.okey: tuple = ()
 
     def __repr__(self) -> str:
         return f"RamEntry(off={self.off}, size={self.size}, pins={self.pins}, dead={self.dead})"
 
 
 class RamTier:
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena, recency_bucket_s: float = 1.0) -> None:
         self.arena = arena
         self.alloc = ExtentAllocator(arena.size)
         self.index: OrderedDict[Key, RamEntry] = OrderedDict()
         self.value_bytes = 0  # sum of value sizes indexed (allocated bytes: alloc.used)
+        self.recency_bucket_s = recency_bucket_s
+        self.groups: dict[tuple[str, str], PoolGroup] = {}  # pooled entries, by (namespace, pool)
+
+    def bucket(self, now: float | None = None) -> int:
+        """Recency bucket of wall-clock time ``now`` (pooled entries' eviction order)."""
+        return int((time.time() if now is None else now) / self.recency_bucket_s)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -50,6 +68,8 @@ class RamTier:
             self.release(self.pop(key))
             return None
         self.index.move_to_end(key)
+        if e.group is not None:
+            e.group.touch(key, e, self.bucket(now))
         return e
 
     def insert(self, key: Key, entry: RamEntry) -> RamEntry | None:
@@ -57,18 +77,23 @@ class RamTier:
         old = self.pop(key)
         self.index[key] = entry
         self.value_bytes += entry.size
+        if entry.group is not None:
+            entry.group.add(key, entry, self.bucket())
         return old
 
     def pop(self, key: Key) -> RamEntry | None:
         e = self.index.pop(key, None)
         if e is not None:
             self.value_bytes -= e.size
+            if e.group is not None:
+                e.group.remove(key, e)
         return e
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
-        """Unpinned entries, least recently used first (a snapshot: safe to pop while iterating)."""
+        """Unpinned untagged entries, least recently used first (a snapshot: safe to pop while
+        iterating). Pooled entries are evicted only through their PoolGroup."""
         for key, e in list(self.index.items()):
-            if e.pins == 0:
+            if e.pins == 0 and e.group is None:
                 yield key, e
 
     def release(self, entry: RamEntry | None) -> None:
