@@ -286,7 +286,9 @@ class Handler:
 
     def _peer(self) -> str:
         try:
-            host, port = self.sock.getpeername()[:2]
-            return f"{host}:{port}"
+            peer = self.sock.getpeername()
         except OSError:
             return "?"
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            return f"{peer[0]}:{peer[1]}"
+        return "local client"  # a Unix socket peer has no address"

@@ -234,7 +234,10 @@ class LocalServer:
             with self._lock:
                 handlers = list(self._handlers)
             for h in handlers:
-                h.expire(now)
+                try:
+                    h.expire(now)
+                except Exception:  # the reaper must never die silently: leases would leak
+                    log.exception("lease reaper failed for one connection")
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,214 @@
+"""The local shared-memory path: direct arena copies, leases, and fallback to TCP."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from gcache import Client, ConnectionFailed, LocalPath, Status
+from gcache import protocol as P
+from gcache.client.connection import Connection, is_local_host
+from gcache.server.local import unix_name
+
+
+def poll(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def ram_used(client, node):
+    return client.stats()[node]["ram_used"]
+
+
+@pytest.mark.parametrize("mode", [LocalPath.FORCE, LocalPath.OFF])
+def test_round_trips_byte_exact_on_both_paths(make_cluster, mode):
+    c = make_cluster(nodes=2, mem="64MiB")
+    rng = np.random.default_rng(3)
+    sizes = [0, 1, 63, 64, 4096, 100_000, 1 << 20, 3 << 20]
+    keys = [f"v{s}" for s in sizes]
+    vals = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+    with Client(c.addresses, local=mode) as cl:
+        assert cl.put(keys, vals) == [Status.OK] * len(keys)
+        out = [np.full(s + 7, 0xEE, np.uint8) for s in sizes]
+        res = cl.get_into(keys, out)
+        assert res.status == [Status.OK] * len(keys) and res.sizes == sizes
+        for o, v in zip(out, vals):
+            assert np.array_equal(o[:len(v)], v) and (o[len(v):] == 0xEE).all()
+        # scatter: a value read into two buffers, and written from two
+        a, b = np.empty(60_000, np.uint8), np.empty(40_000, np.uint8)
+        assert cl.get_into(["v100000"], [[a, b]]).hits == 1
+        assert np.array_equal(np.concatenate([a, b]), vals[5])
+        assert cl.put(["two"], [[b"abc", b"defg"]]) == [Status.OK]
+        assert cl.get_one("two") == b"abcdefg"
+        small = np.empty(10, np.uint8)
+        assert cl.get_into(["v4096"], [small]).status == [Status.BUFFER_TOO_SMALL]
+        assert cl.get(["absent"]) == [None] and cl.exists(["v1", "absent"]) == [True, False]
+        stats = cl.stats()
+        assert all(s["ram_keys"] > 0 for s in stats.values())
+
+
+def test_local_and_remote_owners_in_one_batch(make_cluster):
+    local = make_cluster(nodes=1, mem="64MiB")
+    remote = make_cluster(nodes=1, mem="64MiB", extra_args=["--no-local"])
+    addrs = local.addresses + remote.addresses
+    keys = [f"k{i}" for i in range(64)]
+    vals = [os.urandom(10_000 + i) for i in range(64)]
+    with Client(addrs, local=LocalPath.AUTO) as cl:
+        owners = set(cl.owners(keys))
+        assert owners == set(addrs)
+        assert cl.put(keys, vals) == [Status.OK] * 64
+        assert [bytes(g) for g in cl.get(keys)] == vals
+        conns = {n: cl._pool.get(n, n) for n in addrs}
+        assert conns[local.addresses[0]].arena is not None  # shared memory
+        assert conns[remote.addresses[0]].arena is None  # fell back to TCP
+    with pytest.raises(ConnectionFailed):
+        Client(remote.addresses, local=LocalPath.FORCE).get(["k1"])
+
+
+def test_is_local_host():
+    assert is_local_host("127.0.0.1") and is_local_host("localhost")
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1: never this machine
+
+
+def self_checking(rng, size):
+    body = rng.integers(0, 256, size - 8, dtype=np.uint8)
+    return np.concatenate([np.frombuffer(xxhash.xxh3_64_digest(body.tobytes()), np.uint8), body])
+
+
+def test_readers_racing_an_evicting_writer_never_see_torn_values(make_cluster):
+    c = make_cluster(nodes=1, mem="2MiB", extra_args=["--lease", "0.3"])
+    addr = c.addresses[0]
+    keys = [f"hot{i}" for i in range(24)]  # 24 x 128 KiB = 3 MiB through a 2 MiB arena
+    stop = threading.Event()
+    bad, hits, misses, writes = [], [0], [0], [0]
+
+    def writer(seed):
+        rng = np.random.default_rng(seed)
+        with Client([addr], local=LocalPath.FORCE, timeout_s=5) as cl:
+            while not stop.is_set():
+                k = keys[int(rng.integers(len(keys)))]
+                cl.put([k], [self_checking(rng, 128 * 1024)])
+                writes[0] += 1
+
+    def reader():
+        out = [np.empty(128 * 1024, np.uint8) for _ in range(4)]
+        rng = np.random.default_rng()
+        with Client([addr], local=LocalPath.FORCE, timeout_s=5) as cl:
+            while not stop.is_set():
+                ks = [keys[int(i)] for i in rng.integers(0, len(keys), 4)]
+                res = cl.get_into(ks, out)
+                for st, o in zip(res.status, out):
+                    if st is Status.OK:
+                        hits[0] += 1
+                        if xxhash.xxh3_64_digest(o[8:].tobytes()) != o[:8].tobytes():
+                            bad.append(1)
+                    else:
+                        misses[0] += 1
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    poll(lambda: hits[0] > 300 and writes[0] > 300, 20)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert hits[0] > 300 and writes[0] > 300, (hits, writes)
+    assert not bad, f"{len(bad)} torn values out of {hits[0]} hits"
+
+
+def raw_local(addr, token=None):
+    conn = Connection("n", addr, 2.0, token, unix=unix_name(addr))
+    conn._timeout = 2.0
+    return conn
+
+
+def test_a_read_whose_lease_expired_is_reported_invalid(make_cluster):
+    c = make_cluster(nodes=1, mem="8MiB", extra_args=["--lease", "0.3"])
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.OFF) as cl:
+        cl.put(["k"], [b"a" * 100_000])
+        base = ram_used(cl, addr)
+        conn = raw_local(addr)
+        reply = conn.call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)
+        assert reply["st"] == [0] and reply["off"][0] >= 0 and reply["ls"]
+        cl.put(["k"], [b"b" * 200_000])  # overwrite: the pinned old slot must stay allocated...
+        assert ram_used(cl, addr) > base + 150_000
+        # ...until the lease runs out and the reaper releases it
+        assert poll(lambda: ram_used(cl, addr) < base + 150_000, 5)
+        done = conn.call(P.Op.LDONE, {"ls": [reply["ls"]]}, time.monotonic() + 2)
+        assert done["ok"] == [False]
+        conn.close()
+
+
+CLIENT_SCRIPT = r"""
+import sys, time
+from gcache.client.connection import Connection
+from gcache.server.local import unix_name
+from gcache import protocol as P
+addr = sys.argv[1]
+conn = Connection("n", addr, 2.0, None, unix=unix_name(addr)); conn._timeout = 2.0
+r = conn.call(P.Op.LALLOC, {"ns": "default", "keys": [b"a", b"b"], "sizes": [1 << 20, 1 << 20]},
+              time.monotonic() + 2)
+print(r["ls"], flush=True)
+sys.stdin.readline()
+r = conn.call(P.Op.LCOMMIT, {"ls": r["ls"]}, time.monotonic() + 2)
+print("committed", r["st"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_a_client_dying_mid_put_leaks_no_slot(make_cluster, how):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--lease", "0.5"])
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.OFF) as cl:
+        base = ram_used(cl, addr)
+        p = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, addr], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert int(p.stdout.readline()) > 0
+            assert ram_used(cl, addr) >= base + 2 * (1 << 20)  # reserved
+            if how == "killed":
+                p.kill()
+                p.wait()
+            else:
+                p.send_signal(signal.SIGSTOP)
+            assert poll(lambda: ram_used(cl, addr) == base, 5), "reserved slots were not reclaimed"
+            assert cl.exists(["a", "b"]) == [False, False]
+            if how == "stalled":
+                p.send_signal(signal.SIGCONT)
+                p.stdin.write("\n")
+                p.stdin.flush()
+                p.wait(timeout=10)
+                assert "lease unknown or expired" in p.stderr.read()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_local_socket_is_not_on_the_filesystem_and_requires_the_token(tmp_path):
+    from gcache.cluster import LocalCluster
+
+    with LocalCluster(nodes=1, mem="16MiB", masters=1, root=str(tmp_path / "c")) as c:
+        addr = c.addresses[0]
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(unix_name(addr))  # abstract namespace: nothing to clean up on disk
+        s.close()
+        with Client(c.master_url, token=c.token, local=LocalPath.FORCE) as cl:
+            assert cl.put_one("k", b"v") is Status.OK and cl.get_one("k") == b"v"
+        conn = raw_local(addr)  # no HELLO
+        with pytest.raises(Exception) as err:
+            conn.call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)
+        assert "token" in str(err.value) or "authentication" in str(err.value)
