@@ -241,6 +241,10 @@ class LocalServer:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._lsock.close()
         with self._lock:
             for h in self._handlers:

@@ -64,6 +64,10 @@ class DataServer:
 
     def stop(self) -> None:
         self._stopped.set()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._lsock.close()
         with self._lock:
             for sock in list(self._conns):
