@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 import select
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
@@ -83,6 +86,8 @@ class Client:
         local: LocalPath = LocalPath.AUTO,
         vnodes: int = DEFAULT_VNODES,
         max_idle_per_node: int = 8,
+        split_bytes: int = 4 << 20,
+        split_keys: int = 64,
     ) -> None:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
@@ -98,10 +103,14 @@ class Client:
         self.on_node_error = OnNodeError(on_node_error)
         self.token = token if token is not None else load_token(None)
         self._vnodes = vnodes
+        if split_bytes < 1 or split_keys < 1:
+            raise ConfigError("split_bytes and split_keys must be >= 1")
+        self.split_bytes, self.split_keys = split_bytes, split_keys
         self.local = LocalPath(local)
         self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token, self.local.value)
         self._lock = threading.Lock()
         self._watcher: MembershipWatcher | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._may_refresh = rate_limited(0.05)
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
             self._watcher = MembershipWatcher(MasterClient(nodes, self.token), self.update_membership)
@@ -130,6 +139,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -204,14 +216,15 @@ class Client:
             for i, st, off in zip(idxs, reserved, reply.get("off") or []):
                 if st is Status.OK:
                     for part in views[i]:
-                        arena[off:off + len(part)] = part
+                        _memcpy(arena[off:off + len(part)], part)
                         off += len(part)
             done = _statuses(conn.call(Op.LCOMMIT, {"ls": reply["ls"]}, deadline), len(idxs), conn.node)
             for i, st0, st in zip(idxs, reserved, done):
                 status[i] = st if st0 is Status.OK else st0
 
         ns = namespace or self.namespace
-        self._fanout(Op.PUT, ns, keys, build, finish, status, local=local)
+        self._fanout(Op.PUT, ns, keys, build, finish, status, local=local,
+                     sizes=[sum(map(len, v)) for v in views])
         return status
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,
@@ -344,7 +357,8 @@ class Client:
                     for i in copied:  # the lease expired during the copy: the bytes may be torn
                         status[i], sizes[i] = Status.NOT_FOUND, 0
 
-        self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True, local=local)
+        self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True, local=local,
+                     sizes=[_nbytes(v) for v in views] if views is not None else None)
         return GetResult(status, sizes), bufs
 
     def _keys_only(self, op: Op, keys: Sequence[KeyLike], namespace: str | None,
@@ -368,7 +382,8 @@ class Client:
     def _fanout(self, op: Op, ns: str, keys: Sequence[KeyLike],
                 build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                 finish: Callable[[list[int], dict, int, Connection, float], None],
-                status: list[Status], fallback: bool = False, local: Callable | None = None) -> None:
+                status: list[Status], fallback: bool = False, local: Callable | None = None,
+                sizes: Sequence[int] | None = None) -> None:
         """Run a batch: one request per owner, all owners at once. Keys a node refuses as
         NOT_OWNER (our membership was stale) are retried once on the refreshed membership; with
         ``fallback``, misses during a handover are looked up on the key's previous owner. Failed
@@ -383,14 +398,14 @@ class Client:
         view = self._view
         deadline = time.monotonic() + self.timeout_s
         seen = self._round(op, ns, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
-                           build, finish, status, failures, deadline, local)
+                           build, finish, status, failures, deadline, local, sizes)
         if seen > view.epoch and self._may_refresh():
             self.refresh_membership()
         retry = [i for i, st in enumerate(status) if st is Status.NOT_OWNER]
         if retry and (self._view.epoch > view.epoch or self.refresh_membership()):
             view = self._view
             self._round(op, ns, kbytes, retry, view.ring, view.addr, view.epoch, False,
-                        build, finish, status, failures, deadline, local)
+                        build, finish, status, failures, deadline, local, sizes)
         if fallback and view.prev_ring is not None and view.prev_addr:
             misses = [i for i, st in enumerate(status) if st is Status.NOT_FOUND]
             if misses:
@@ -398,7 +413,7 @@ class Client:
                 before = view.prev_ring.owners(ns, [kbytes[i] for i in misses])
                 moved = [i for i, a, b in zip(misses, now, before) if a != b and b in view.prev_addr]
                 self._round(op, ns, kbytes, moved, view.prev_ring, view.prev_addr, view.epoch, True,
-                            build, finish, status, failures, deadline, local)
+                            build, finish, status, failures, deadline, local, sizes)
         if failures and self.on_node_error is OnNodeError.RAISE:
             raise failures[0]
 
@@ -407,19 +422,22 @@ class Client:
                build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                finish: Callable[[list[int], dict, int, Connection, float], None],
                status: list[Status], failures: list[GCacheError], deadline: float,
-               local: Callable | None = None) -> int:
+               local: Callable | None = None, sizes: Sequence[int] | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
         epoch a reply carried. Owners reached over the local path are served by ``local`` (a
         copy through the mapped arena) while the remote requests are in flight."""
         if not which:
             return 0
-        groups: dict[str, list[int]] = {}
+        by_node: dict[str, list[int]] = {}
         for i, owner in zip(which, ring.owners(ns, [kbytes[i] for i in which])):
-            groups.setdefault(owner, []).append(i)
+            by_node.setdefault(owner, []).append(i)
+        # A large batch for one owner goes out as several requests on several connections, all
+        # in flight at once, so one caller keeps the owner's threads and the wire busy.
+        groups = [(node, chunk) for node, idxs in by_node.items() for chunk in self._split(idxs, sizes)]
         epochs = [0]
         local_jobs: list[tuple[list[int], Connection, dict]] = []
         sending: dict[int, tuple[list[int], Connection]] = {}
-        for node, idxs in groups.items():
+        for node, idxs in groups:
             conn = None
             try:
                 if node not in addr:
@@ -451,7 +469,8 @@ class Client:
         # up the others; then read each reply as soon as its owner has started answering.
         receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
                                     lambda idxs, conn: conn.send_some(deadline))
-        for idxs, conn, meta in local_jobs:
+        def run_local(job: tuple[list[int], Connection, dict]) -> None:
+            idxs, conn, meta = job
             assert local is not None
             try:
                 local(idxs, conn, meta, deadline)
@@ -459,8 +478,35 @@ class Client:
                 self._pool.put(conn)
             except GCacheError as exc:
                 self._failed(idxs, conn, exc, status, failures)
+
+        if len(local_jobs) == 1:
+            run_local(local_jobs[0])
+        elif local_jobs:  # several daemons on this host: copy in parallel, none waits on a stalled one
+            list(self._local_workers().map(run_local, local_jobs))
         self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
         return max(epochs)
+
+    def _local_workers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gcache-local")
+            return self._executor
+
+    def _split(self, idxs: list[int], sizes: Sequence[int] | None) -> list[list[int]]:
+        """Cut one owner's keys into requests of at most ``split_bytes`` (when the value sizes
+        are known, as for puts) or ``split_keys`` keys."""
+        if sizes is None:
+            n = self.split_keys
+            return [idxs[i:i + n] for i in range(0, len(idxs), n)]
+        out: list[list[int]] = [[]]
+        total = 0
+        for i in idxs:
+            if out[-1] and total + sizes[i] > self.split_bytes:
+                out.append([])
+                total = 0
+            out[-1].append(i)
+            total += sizes[i]
+        return out
 
     def _poll_loop(self, conns: dict[int, tuple[list[int], Connection]], event: int, deadline: float,
                    status: list[Status], failures: list[GCacheError],
@@ -541,17 +587,22 @@ def _parts(value: Any, writable: bool = False) -> list[memoryview]:
     return [as_view(value, writable=writable)]
 
 
+def _memcpy(dest: memoryview, src: memoryview) -> None:
+    """One copy; numpy releases the GIL for it, so local copies can run in parallel."""
+    np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
 def _copy_parts(src: memoryview, dest: memoryview | list[memoryview]) -> None:
     """Copy ``src`` into one view or, in order, into several (one memcpy each)."""
     if not isinstance(dest, list):
-        dest[: len(src)] = src
+        _memcpy(dest[: len(src)], src)
         return
     pos = 0
     for part in dest:
         n = min(len(part), len(src) - pos)
         if n <= 0:
             break
-        part[:n] = src[pos:pos + n]
+        _memcpy(part[:n], src[pos:pos + n])
         pos += n
 
 
