@@ -15,7 +15,8 @@ def _torch_view(obj: Any) -> memoryview | None:
     if not mod.startswith("torch"):
         return None
     if obj.device.type != "cpu":
-        raise TypeError(f"a {obj.device.type} tensor needs the GPU staging path; pass a CPU tensor")
+        raise TypeError(f"a {obj.device.type} tensor inside a list of parts cannot be staged; "
+                        "pass device tensors as whole values")
     if not obj.is_contiguous():
         raise ValueError("tensor is not contiguous; call .contiguous() first")
     flat = obj.detach().reshape(-1)

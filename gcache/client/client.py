@@ -22,6 +22,7 @@ import numpy as np
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
+from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.meta.master_client import SCHEME, MasterClient
@@ -111,6 +112,7 @@ class Client:
         self._lock = threading.Lock()
         self._watcher: MembershipWatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._staging: StagingPool | None = None
         self._may_refresh = rate_limited(0.05)
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
             self._watcher = MembershipWatcher(MasterClient(nodes, self.token), self.update_membership)
@@ -183,6 +185,8 @@ class Client:
         marks (1) pages of a restore point's trailing window. See gcache.tier.pools."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if any(is_device_tensor(v) for v in values):
+            return self.staging().put(self, keys, values, ttl_s=ttl_s, namespace=namespace)
         if ttl_s < 0:
             raise ValueError("ttl_s must be >= 0")
         for name, per_key in (("pos", pos), ("tail", tail)):
@@ -233,6 +237,10 @@ class Client:
         buffer may be a list/tuple of buffers, filled in order (scatter)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if any(is_device_tensor(b) for b in buffers):
+            st = self.staging().get_into(self, keys, buffers, namespace=namespace)
+            return GetResult(st, [self.staging().copier.nbytes(b) if s is Status.OK else 0
+                                  for s, b in zip(st, buffers)])
         views = [_parts(b, True) if isinstance(b, (list, tuple)) else as_view(b, writable=True) for b in buffers]
         return self._get(keys, views, namespace or self.namespace)[0]
 
@@ -485,6 +493,13 @@ class Client:
             list(self._local_workers().map(run_local, local_jobs))
         self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
         return max(epochs)
+
+    def staging(self) -> StagingPool:
+        """The pinned staging pool that carries device tensors over host transports."""
+        with self._lock:
+            if self._staging is None:
+                self._staging = StagingPool()
+            return self._staging
 
     def _local_workers(self) -> ThreadPoolExecutor:
         with self._lock:
