@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print raw JSON")
     s.set_defaults(fn=cmd_stats)
 
+    from gcache import doctor
+
+    dc = sub.add_parser("doctor", help="which transports, devices and disks this host offers, and what gcache will use")
+    doctor.add_arguments(dc)
+    dc.set_defaults(fn=doctor.run)
+
     from gcache.bench_cli import add_bench_parser
 
     add_bench_parser(sub)

@@ -113,3 +113,16 @@ def test_up_with_masters_status_and_drain(tmp_path):
         up.send_signal(signal.SIGINT)
         up.communicate(timeout=30)
     assert up.returncode == 0
+
+
+def test_doctor_reports_every_capability_and_why(tmp_path):
+    checks = {c["name"]: c for c in json.loads(run("doctor", "--json", "--disk", str(tmp_path)).stdout)}
+    for name in ("memcpy", "tcp", "local shm", "ucx", "rdma", "cuda", "gpudirect rdma", "hugepages", "disk", "default"):
+        assert name in checks and checks[name]["detail"]
+    assert checks["tcp"]["ok"] and checks["local shm"]["ok"] and "GB/s" in checks["disk"]["detail"]
+    assert str(tmp_path) in checks["disk"]["detail"]
+    if not os.path.isdir("/sys/class/infiniband"):
+        assert not checks["rdma"]["ok"] and "InfiniBand" in checks["rdma"]["detail"]
+    assert os.listdir(tmp_path) == []  # the probe file is removed
+    text = run("doctor", "--disk", str(tmp_path)).stdout
+    assert "default" in text and "local shared memory" in text
