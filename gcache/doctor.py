@@ -117,6 +117,7 @@ def check_hugepages() -> Check:
 
 
 def check_ucx() -> Check:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # UCX prints its warnings on stdout
     try:
         from gcache.transport.ucx import available  # type: ignore[import-not-found]
 
