@@ -54,6 +54,8 @@ class Op(enum.IntEnum):
     LDONE = 10  # release leases; reply whether each was still held (copy valid)
     LALLOC = 11  # reserve slots, reply their offsets under a lease
     LCOMMIT = 12  # make reserved slots visible (if the lease is still held)
+    # UCX transport (TCP connection only, daemon run with --ucx; see gcache.transport.ucx):
+    UCX_CONNECT = 13  # {"addr": client worker address, "cid": int}; reply {"addr": daemon's}
 
 
 class Status(enum.IntEnum):

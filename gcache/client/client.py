@@ -30,6 +30,7 @@ from gcache.meta.rpc import load_token
 from gcache.meta.membership import Membership
 from gcache.meta.ring import DEFAULT_VNODES, HashRing
 from gcache.protocol import Op, Status, namespace_error
+from gcache.transport import Transport
 
 KeyLike = str | bytes
 
@@ -89,11 +90,14 @@ class Client:
         max_idle_per_node: int = 8,
         split_bytes: int = 4 << 20,
         split_keys: int = 64,
+        transport: Transport = Transport.TCP,
     ) -> None:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
         the cluster token (default $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
-        the shared-memory path to daemons on this host (AUTO: when reachable, else TCP)."""
+        the shared-memory path to daemons on this host (AUTO: when reachable, else TCP).
+        ``transport``: TCP, or UCX (daemons run with ``--ucx``; UCX brings its own shared memory,
+        so the local path is off; the UCX_* environment picks UCX's transports)."""
         err = namespace_error(namespace)
         if err:
             raise ConfigError(err)
@@ -108,7 +112,17 @@ class Client:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         self.split_bytes, self.split_keys = split_bytes, split_keys
         self.local = LocalPath(local)
-        self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token, self.local.value)
+        self.transport = Transport(transport)
+        if self.transport is Transport.UCX and self.local is LocalPath.FORCE:
+            raise ConfigError("local=FORCE needs transport=TCP (UCX brings its own shared memory)")
+        if self.transport is Transport.UCX:  # load ucxx now (~1 s), not inside the first call's deadline
+            from gcache.transport import ucx
+
+            ok, why = ucx.available()
+            if not ok:
+                raise ConfigError(f"transport=UCX: {why}")
+        self._pool = Pool(connect_timeout_s, max_idle_per_node, self.token,
+                          self.local.value if self.transport is Transport.TCP else "off", self.transport.value)
         self._lock = threading.Lock()
         self._watcher: MembershipWatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -444,6 +458,7 @@ class Client:
         groups = [(node, chunk) for node, idxs in by_node.items() for chunk in self._split(idxs, sizes)]
         epochs = [0]
         local_jobs: list[tuple[list[int], Connection, dict]] = []
+        sync_jobs: dict[int, tuple[list[int], Connection]] = {}  # not pollable (UCX): posted now, read below
         sending: dict[int, tuple[list[int], Connection]] = {}
         for node, idxs in groups:
             conn = None
@@ -458,6 +473,11 @@ class Client:
                     meta["fb"] = 1
                 if conn.arena is not None and local is not None:
                     local_jobs.append((idxs, conn, meta))
+                    continue
+                if not getattr(conn.sock, "pollable", True):
+                    conn.prepare(op, meta, payload, self.timeout_s)
+                    conn.send_some(deadline)  # posts the whole frame; completed when the reply is read
+                    sync_jobs[id(conn.sock)] = (idxs, conn)
                     continue
                 conn.prepare(op, meta, payload, self.timeout_s)
                 sending[conn.sock.fileno()] = (idxs, conn)
@@ -491,6 +511,19 @@ class Client:
             run_local(local_jobs[0])
         elif local_jobs:  # several daemons on this host: copy in parallel, none waits on a stalled one
             list(self._local_workers().map(run_local, local_jobs))
+        while sync_jobs:  # read each reply as it arrives, so a stalled owner holds up no other
+            socks = [conn.sock for _idxs, conn in sync_jobs.values()]
+            ready = type(socks[0]).wait_readable(socks, deadline)
+            for sock in ready:
+                idxs, conn = sync_jobs.pop(id(sock))
+                try:
+                    receive(idxs, conn)
+                except GCacheError as exc:
+                    self._failed(idxs, conn, exc, status, failures)
+            if not ready:
+                for idxs, conn in sync_jobs.values():
+                    self._failed(idxs, conn, CallTimeout(conn.node, self.timeout_s), status, failures)
+                break
         self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
         return max(epochs)
 

@@ -198,6 +198,8 @@ class Connection:
     def idle_ok(self) -> bool:
         """An idle connection must have nothing to read: readable means the daemon closed it
         (it restarted or died), so it must not be reused."""
+        if not getattr(self.sock, "pollable", True):  # a socket-like transport (UCX) checks itself
+            return self.sock.idle_ok()
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
         except (OSError, ValueError):
@@ -229,10 +231,11 @@ class Pool:
     is mapped once per daemon incarnation (shared by every connection to it)."""
 
     def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None,
-                 local: str = "auto") -> None:
+                 local: str = "auto", transport: str = "tcp") -> None:
         self.connect_timeout_s = connect_timeout_s
         self.token = token
         self.local = local  # "auto" | "off" | "force"
+        self.transport = transport  # "tcp" | "ucx" (gcache.transport.Transport values)
         self._arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}
         self._no_local: dict[str, float] = {}  # node -> when the local path last failed
         self.max_idle = max_idle_per_node
@@ -247,6 +250,10 @@ class Pool:
                 if conn.address == address and conn.idle_ok():
                     return conn
                 conn.close()
+        if self.transport == "ucx":
+            from gcache.transport.ucx import connect
+
+            return connect(node, address, self.connect_timeout_s, self.token)
         if self.local != "off" and is_local_host(address.rpartition(":")[0]):
             failed = self._no_local.get(node)
             if self.local == "force" or failed is None or time.monotonic() - failed > 5.0:

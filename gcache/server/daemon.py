@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
     p.add_argument("--lease", type=float, default=5.0,
                    help="seconds a local client may hold pinned or reserved slots (default %(default)s)")
+    p.add_argument("--ucx", action="store_true",
+                   help="also carry the data plane over UCX for clients that ask (Client(transport=Transport.UCX)); "
+                        "set up over the TCP port, UCX picks its transports (UCX_TLS; tcp, shared memory, RDMA)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -86,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("--lease must be > 0 seconds")
             local = LocalServer(store, server.address, server.node_id, server.max_payload, token, args.lease)
             local.agent = agent
+        if args.ucx:
+            from gcache.transport import ucx
+
+            ok, why = ucx.available()
+            if not ok:
+                raise ConfigError(f"--ucx: {why}")
+            ucx.install(server)
         metrics = None
         if args.metrics_port is not None:
             from gcache.server.handler import Handler

@@ -116,6 +116,8 @@ class Handler:
                 return True
             if op in LOCAL_OPS:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"{op.name} is only served on the local (Unix socket) path")
+            if op is Op.UCX_CONNECT:
+                raise Refused(ErrorCode.UNKNOWN_OP, "UCX is not enabled on this daemon (start it with --ucx)")
             if op is Op.PUT:
                 reply, consumed = self._put(meta, payload_len)
                 self._reply(op, req_id, reply)

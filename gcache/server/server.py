@@ -32,6 +32,7 @@ class DataServer:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.handler_hooks: list = []  # called with each new connection's Handler (gcache.transport.ucx)
 
     def __repr__(self) -> str:
         return f"DataServer(node={self.node_id!r}, address={self.address!r}, connections={len(self._conns)})"
@@ -56,7 +57,10 @@ class DataServer:
 
     def _serve_conn(self, sock: socket.socket) -> None:
         try:
-            Handler(sock, self.store, self.node_id, self.max_payload, self.token, self.agent).serve()
+            handler = Handler(sock, self.store, self.node_id, self.max_payload, self.token, self.agent)
+            for hook in self.handler_hooks:
+                hook(handler)
+            handler.serve()
         finally:
             with self._lock:
                 self._conns.discard(sock)

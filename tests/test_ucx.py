@@ -1,0 +1,177 @@
+"""The core round trips over the UCX transport, with UCX over TCP and over shared memory.
+
+Real daemons (``--ucx``) on loopback; UCX_TLS is set in the environment the daemons inherit and
+in this process's (the client reads it when it creates its UCX context).
+"""
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx", reason="ucxx is not importable (install the ucx extra: pip install -e '.[ucx]')")
+
+from gcache import CallTimeout, Client, ConnectionFailed, OnNodeError, Status
+from gcache.cluster import LocalCluster
+from gcache.errors import GCacheError
+from gcache.transport import (
+    Transport,
+    ucx,
+)
+
+MiB = 1 << 20
+TLS = {"tcp": "tcp", "sm": "posix,cma,self"}
+
+
+@contextmanager
+def ucx_env(tls):
+    old = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = tls
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = old
+
+
+@pytest.fixture(scope="module", params=sorted(TLS))
+def ucx_cluster(request, tmp_path_factory):
+    """Three --ucx daemons with UCX_TLS set (for them and for this process's clients)."""
+    with ucx_env(TLS[request.param]):
+        c = LocalCluster(nodes=3, mem="96MiB", root=str(tmp_path_factory.mktemp(request.param)),
+                         extra_args=["--ucx", "--no-pretouch", "--max-value", "4MiB"])
+        c.start()
+        try:
+            yield c
+        finally:
+            c.stop()
+
+
+def ucx_client(c, **kw):
+    client = Client(c.addresses, transport=Transport.UCX, **kw)
+    return client
+
+
+def sizes(n, rng):
+    """Log-uniform 1 B .. 4 MiB, with both ends present."""
+    s = np.exp(rng.uniform(0, np.log(4 * MiB), n)).astype(np.int64)
+    s[0], s[1] = 1, 4 * MiB
+    return s
+
+
+def wait_stopped(pid, timeout_s=5.0):
+    """Until the kernel reports the process stopped (SIGSTOP takes effect asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
+def test_available_here():
+    ok, why = ucx.available()
+    assert ok, why
+
+
+def test_round_trip_1B_to_4MiB_byte_exact_over_three_daemons(ucx_cluster):
+    rng = np.random.default_rng(11)
+    n = 160
+    sz = sizes(n, rng)
+    blob = rng.integers(0, 256, int(sz.max()) + n, dtype=np.uint8)
+    values = [blob[o:o + s] for o, s in zip(rng.integers(0, n, n), sz)]
+    keys = [f"page/{i}" for i in range(n)]
+    with ucx_client(ucx_cluster, timeout_s=20) as client:
+        for i in range(0, n, 16):
+            assert client.put(keys[i:i + 16], values[i:i + 16]) == [Status.OK] * len(values[i:i + 16])
+        for i in range(0, n, 16):
+            bufs = [np.empty(int(s), dtype=np.uint8) for s in sz[i:i + 16]]
+            res = client.get_into(keys[i:i + 16], bufs)
+            assert res.hits == len(bufs) and res.sizes == [int(s) for s in sz[i:i + 16]]
+            for b, v in zip(bufs, values[i:i + 16]):
+                assert np.array_equal(b, v)
+        got = client.get(keys[:16])  # into new bytearrays
+        assert all(bytes(g) == v.tobytes() for g, v in zip(got, values[:16]))
+        # scatter put / gather get: one value from several buffers, read back into several
+        parts = [np.arange(1000, dtype=np.uint8), np.full(MiB, 7, np.uint8)]
+        assert client.put(["sg"], [parts]) == [Status.OK]
+        outs = [np.empty(500, np.uint8), np.empty(MiB + 500, np.uint8)]
+        assert client.get_into(["sg"], [outs]).hits == 1
+        assert np.array_equal(np.concatenate(outs), np.concatenate(parts))
+        stats = client.stats()
+        assert sum(s["ram_keys"] for s in stats.values()) == n + 1
+        assert all(s["ram_keys"] > n / 6 for s in stats.values())  # spread over all three
+        conns = [c for idle in client._pool._idle.values() for c in idle]
+        assert conns and all(type(c.sock).__name__ == "UcxSocket" for c in conns)
+
+
+def test_misses_refusals_and_small_buffers_keep_the_connection_in_sync(ucx_cluster):
+    rng = np.random.default_rng(3)
+    big = rng.integers(0, 256, 3 * MiB, dtype=np.uint8)
+    with ucx_client(ucx_cluster, timeout_s=10) as client:
+        st = client.put(["a", b"", "huge", "big", "b"],
+                        [b"1", b"2", np.zeros(4 * MiB + 1, np.uint8), big, b"22"])
+        assert st == [Status.OK, Status.BAD_KEY, Status.TOO_LARGE, Status.OK, Status.OK]
+        assert client.get(["a", "missing", "huge", "b"]) == [b"1", None, None, b"22"]
+        small, ok = np.empty(10, np.uint8), np.empty(3 * MiB, np.uint8)
+        res = client.get_into(["big", "big"], [small, ok])
+        assert res.status == [Status.BUFFER_TOO_SMALL, Status.OK] and res.sizes[0] == 3 * MiB
+        assert np.array_equal(ok, big)
+        assert client.exists(["a", "missing"]) == [True, False]
+        assert client.delete(["a", "missing"]) == [True, False]
+        assert client.get(["a", "b"]) == [None, b"22"]
+        assert all("rtt_ms" in r for r in client.ping().values())
+
+
+def test_dead_daemon_gives_typed_error_or_misses_within_the_timeout(ucx_cluster, request):
+    tls = request.node.callspec.params["ucx_cluster"]
+    keys = [f"d{i}" for i in range(60)]
+    with ucx_env(TLS[tls]), LocalCluster(nodes=2, mem="32MiB", root=str(ucx_cluster.root) + "-dead",
+                                         extra_args=["--ucx", "--no-pretouch"]) as c:
+        with ucx_client(c, timeout_s=1.0) as client:
+            assert client.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
+            owners = client.owners(keys)
+            dead = c.addresses[1]
+            c.kill(1)
+            t0 = time.monotonic()
+            with pytest.raises((ConnectionFailed, CallTimeout)):
+                client.get(keys)
+            assert time.monotonic() - t0 < 1.5
+        with ucx_client(c, timeout_s=1.0, on_node_error=OnNodeError.MISS) as client:
+            t0 = time.monotonic()
+            got = client.get(keys)
+            assert time.monotonic() - t0 < 1.5
+            assert all((g is None) if o == dead else (g == b"v") for g, o in zip(got, owners))
+            st = client.put(keys, [b"w"] * len(keys))
+            assert all((s is Status.UNAVAILABLE) == (o == dead) for s, o in zip(st, owners))
+
+
+def test_stopped_daemon_times_out_then_recovers(ucx_cluster):
+    keys = [f"s{i}" for i in range(30)]
+    with ucx_client(ucx_cluster, timeout_s=0.5, on_node_error=OnNodeError.MISS) as client:
+        assert client.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
+        owners = client.owners(keys)
+        pid = ucx_cluster.daemons[2].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_stopped(pid)
+            t0 = time.monotonic()
+            got = client.get(keys)
+            assert time.monotonic() - t0 < 1.0
+            stopped = ucx_cluster.addresses[2]
+            assert all((g is None) == (o == stopped) for g, o in zip(got, owners)), (got, owners, stopped)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert client.get(keys) == [b"v"] * len(keys)  # fresh connections after the timeout
+
+
+def test_daemon_without_ucx_is_refused_clearly(make_cluster):
+    c = make_cluster(nodes=1, extra_args=["--no-pretouch"])
+    with ucx_client(c, timeout_s=2.0) as client, pytest.raises(GCacheError, match="--ucx"):
+        client.get(["k"])
