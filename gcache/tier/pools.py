@@ -32,6 +32,7 @@ from sortedcontainers import SortedList
 
 from gcache.errors import ConfigError
 from gcache.sizes import parse_size
+from gcache.tier.allocator import aligned
 
 if TYPE_CHECKING:
     from gcache.tier.ram import Key, RamEntry
@@ -135,12 +136,12 @@ class PoolGroup:
         entry.okey = (entry.tail, bucket, -entry.pos, next(self._seq), key)
         self.order.add(entry.okey)
         self.entries[key] = entry
-        self.bytes += entry.size
+        self.bytes += aligned(entry.size)  # arena bytes, as the allocator counts them
 
     def remove(self, key: Key, entry: RamEntry) -> None:
         if self.entries.pop(key, None) is not None:
             self.order.remove(entry.okey)
-            self.bytes -= entry.size
+            self.bytes -= aligned(entry.size)
 
     def touch(self, key: Key, entry: RamEntry, bucket: int, tail: int | None = None) -> None:
         """Refresh recency (and optionally the tail mark) of a member."""
@@ -151,7 +152,7 @@ class PoolGroup:
         self.order.add(entry.okey)
 
     def over_budget(self, extra: int) -> bool:
-        return self.budget is not None and self.bytes + extra > self.budget
+        return self.budget is not None and self.bytes + aligned(extra) > self.budget
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
         """Unpinned members, first to evict first. The caller may evict each one yielded."""
@@ -181,17 +182,18 @@ def _int_list(meta: dict, field: str, n: int, lo: int, hi: int) -> list[int] | s
 
 
 def parse_pool_meta(meta: dict, n: int, op: str) -> tuple[str | None, list[int], list[int] | None] | str:
-    """The pool fields of a PUT (``op="PUT"``) or EXISTS request with ``n`` keys, or why not.
+    """The pool fields of a PUT (or LALLOC) or an EXISTS request with ``n`` keys, or why not.
 
     PUT: ``"pool"`` (optional pool name), ``"pos"`` (chain position per key, default 0),
     ``"tail"`` (1 per key that belongs to a restore point's trailing window, default 0).
     EXISTS: only ``"tail"``, which re-marks existing pooled entries (absent: leave them).
     Returns (pool, pos, tail); tail is None when absent.
     """
-    pool = meta.get("pool") if op == "PUT" else None
+    put = op != "EXISTS"  # PUT, or the local fast path's LALLOC
+    pool = meta.get("pool") if put else None
     if pool is not None and pool_name_error(pool):
         return pool_name_error(pool)  # type: ignore[return-value]
-    pos = _int_list(meta, "pos", n, 0, MAX_POS) if op == "PUT" else None
+    pos = _int_list(meta, "pos", n, 0, MAX_POS) if put else None
     if isinstance(pos, str):
         return pos
     tail = _int_list(meta, "tail", n, 0, 1)

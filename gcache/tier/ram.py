@@ -23,8 +23,8 @@ class RamEntry:
     position, restore-point mark and eviction order key (see gcache.tier.pools); None/0 when
     untagged."""
 
-    __slots__ = ("off", "size", "expires", "pins", "dead", "on_disk", "superseded",
-                 "group", "pos", "tail", "okey")
+    __slots__ = ("dead", "expires", "group", "off", "okey", "on_disk", "pins", "pos", "size", "superseded",
+                 "tail")
 
     def __init__(self, off: int, size: int, expires: float, on_disk: bool = False) -> None:
         self.off = off
@@ -51,6 +51,7 @@ class RamTier:
         self.value_bytes = 0  # sum of value sizes indexed (allocated bytes: alloc.used)
         self.recency_bucket_s = recency_bucket_s
         self.groups: dict[tuple[str, str], PoolGroup] = {}  # pooled entries, by (namespace, pool)
+        self.untagged = 0  # entries in no pool (the plain LRU's victims)
 
     def bucket(self, now: float | None = None) -> int:
         """Recency bucket of wall-clock time ``now`` (pooled entries' eviction order)."""
@@ -79,6 +80,8 @@ class RamTier:
         self.value_bytes += entry.size
         if entry.group is not None:
             entry.group.add(key, entry, self.bucket())
+        else:
+            self.untagged += 1
         return old
 
     def pop(self, key: Key) -> RamEntry | None:
@@ -87,11 +90,15 @@ class RamTier:
             self.value_bytes -= e.size
             if e.group is not None:
                 e.group.remove(key, e)
+            else:
+                self.untagged -= 1
         return e
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
         """Unpinned untagged entries, least recently used first (a snapshot: safe to pop while
         iterating). Pooled entries are evicted only through their PoolGroup."""
+        if not self.untagged:
+            return
         for key, e in list(self.index.items()):
             if e.pins == 0 and e.group is None:
                 yield key, e

@@ -1,0 +1,273 @@
+"""gcache as SGLang HiCache's L3 storage backend, SWA-aware.
+
+Load it through the factory's dynamic mechanism::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name":"gcache","module_path":"sglang_adapter.backend",
+        "class_name":"GCacheStorage","interface_v1":1,"hicache_storage_pass_prefix_keys":true,
+        "nodes":"127.0.0.1:7400,127.0.0.1:7401"}'
+
+* v1 (``batch_get_v1`` / ``batch_set_v1``): KV pages move between the registered host pool's
+  memory and the daemons without intermediate copies (see pages.py).
+* v2 (hybrid pools): KV pages go to the daemon pool "kv", SWA pages to the pool "swa" with its
+  own budget; ``batch_exists_v2`` answers the window-safe restorable prefix lengths from one
+  parallel round of existence checks (window.py). SWA backups mark their pages as the
+  trailing window of a stored sequence and demote the window they supersede, so the daemon
+  keeps restore points ahead of interior windows.
+* Positions: with ``hicache_storage_pass_prefix_keys`` SGLang passes the chain before each
+  batch, so pages are written with their absolute chain position (prefix-aware eviction);
+  without it positions are relative to the batch.
+* Failure: every batch call answers per-page False on any error; a dead daemon is a miss
+  within ``timeout_s`` (the client runs with OnNodeError.MISS). Thread-safe: the gcache
+  Client is, and the metrics are kept under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from gcache.client import Client
+from gcache.client.client import OnNodeError
+from gcache.protocol import Status
+from sglang_adapter.config import AdapterConfig
+from sglang_adapter.keys import KeyScheme
+from sglang_adapter.pages import page_bytes, page_views
+from sglang_adapter.window import PoolCheck, leading, window_safe
+
+log = logging.getLogger(__name__)
+KV = "kv"
+
+
+def _name(pool: Any) -> str:
+    return str(getattr(pool, "value", pool))
+
+
+def _base(extra_info: HiCacheStorageExtraInfo | None) -> int:
+    """Chain position of a batch's first page (0 when SGLang does not pass the prefix)."""
+    return len(extra_info.prefix_keys) if extra_info is not None and extra_info.prefix_keys else 0
+
+
+class GCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.storage_config = storage_config
+        self.config = AdapterConfig.from_extra(storage_config.extra_config if storage_config else None)
+        self.scheme = KeyScheme.from_storage_config(storage_config)
+        self.client = Client(list(self.config.nodes), namespace=self.config.namespace,
+                             timeout_s=self.config.timeout_s, connect_timeout_s=self.config.connect_timeout_s,
+                             on_node_error=OnNodeError.MISS)
+        self.registered_pools: dict[str, Any] = {}
+        self.mem_pool_host = None
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+                                          "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._page_gb: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"GCacheStorage(ns={self.config.namespace!r}, pools={sorted(self.registered_pools)})"
+
+    # -- registration -------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        self.registered_pools[_name(host_pool_name)] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        log.info("gcache storage: pools %s", sorted(self.registered_pools))
+
+    def _pool(self, name: str) -> Any:
+        pool = self.registered_pools.get(name)
+        if pool is None and name == KV:
+            pool = self.mem_pool_host
+        if pool is None:
+            raise KeyError(f"host pool {name!r} is not registered")
+        return pool
+
+    def _tag(self, name: str) -> str:
+        """The daemon pool a host pool's pages go to."""
+        return name if self.config.dual_pools else KV
+
+    # -- v1: KV pages, zero-copy ----------------------------------------------------------------
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._get_pages(KV, keys, host_indices)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._set_pages(KV, keys, host_indices, _base(extra_info), trailing=False)
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            return leading(self.client.exists(self.scheme.keys(list(keys), KV)))
+        except Exception:
+            log.exception("gcache batch_exists failed")
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- v2: hybrid pools -------------------------------------------------------------------------
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        try:
+            keys = list(keys)
+            transfers = list(pool_transfers or [])
+            query = self.scheme.keys(keys, KV)
+            for t in transfers:
+                query += self.scheme.keys(keys, _name(t.name))
+            ex = self.client.exists(query)  # one round: every owner asked at once
+            n = len(keys)
+            checks = [
+                PoolCheck(_name(t.name), ex[n * (j + 1):n * (j + 2)],
+                          max(1, len(t.keys or ())) if t.hit_policy == PoolHitPolicy.TRAILING_PAGES else None)
+                for j, t in enumerate(transfers)
+            ]
+            res = window_safe(ex[:n], checks)
+            return PoolTransferResult(res.final_pages, dict(res.pool_hits), list(res.restorable))
+        except Exception:
+            log.exception("gcache batch_exists_v2 failed")
+            return PoolTransferResult(0, {}, [])
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {_name(t.name): self._get_pages(_name(t.name), t.keys or [], t.host_indices)
+                for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        base = _base(extra_info)
+        prefix = list(extra_info.prefix_keys or []) if extra_info is not None else []
+        return {
+            _name(t.name): self._set_pages(_name(t.name), t.keys or [], t.host_indices, base,
+                                           trailing=t.hit_policy == PoolHitPolicy.TRAILING_PAGES,
+                                           prefix=prefix)
+            for t in transfers
+        }
+
+    # -- page I/O -----------------------------------------------------------------------------------
+    def _views(self, name: str, keys: list[str], host_indices: Any) -> tuple[Any, list[list[memoryview]]]:
+        pool = self._pool(name)
+        page_size = getattr(pool, "page_size", 1) or 1
+        if host_indices is None or host_indices.numel() != len(keys) * page_size:
+            raise ValueError(f"{name}: {len(keys)} keys but "
+                             f"{0 if host_indices is None else host_indices.numel()} host indices")
+        return pool, page_views(pool, host_indices, len(keys))
+
+    def _get_pages(self, name: str, keys: list[str], host_indices: Any) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            t0 = time.perf_counter()
+            pool, views = self._views(name, keys, host_indices)
+            res = self.client.get_into(self.scheme.keys(list(keys), name), views)
+            ok = [st is Status.OK and sz == sum(map(len, v)) for st, sz, v in zip(res.status, res.sizes, views)]
+            self._record("prefetch", name, pool, sum(ok), time.perf_counter() - t0)
+            return ok
+        except Exception:
+            log.exception("gcache get of %d %s pages failed", len(keys), name)
+            return [False] * len(keys)
+
+    def _set_pages(self, name: str, keys: list[str], host_indices: Any, base: int, trailing: bool,
+                   prefix: list[str] | None = None) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            t0 = time.perf_counter()
+            pool, views = self._views(name, keys, host_indices)
+            gkeys = self.scheme.keys(list(keys), name)
+            n = len(keys)
+            tail = [1] * n if trailing else None
+            have = [False] * n
+            if self.config.skip_existing or trailing:
+                probe, marks = list(gkeys), list(tail or [])
+                if trailing and prefix:
+                    # the window this one supersedes becomes interior (restore points stay ahead)
+                    current = set(keys)
+                    old = [h for h in prefix[-n:] if h not in current]
+                    probe += self.scheme.keys(old, name)
+                    marks += [0] * len(old)
+                found = self.client.exists(probe, tail=marks if trailing else None)
+                have = found[:n] if self.config.skip_existing else have
+            todo = [i for i in range(n) if not have[i]]
+            ok = list(have)
+            if todo:
+                st = self.client.put([gkeys[i] for i in todo], [views[i] for i in todo], pool=self._tag(name),
+                                     pos=[base + i for i in todo], tail=[1] * len(todo) if trailing else None)
+                for i, s in zip(todo, st):
+                    ok[i] = s is Status.OK
+            self._record("backup", name, pool, sum(ok[i] for i in todo), time.perf_counter() - t0)
+            return ok
+        except Exception:
+            log.exception("gcache set of %d %s pages failed", len(keys), name)
+            return [False] * len(keys)
+
+    # -- legacy (non-zero-copy) interface ---------------------------------------------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        try:
+            if target_locations is None or any(t is None for t in target_locations):
+                return [None] * len(keys)
+            res = self.client.get_into(self.scheme.keys(list(keys), KV), list(target_locations))
+            return [t if st is Status.OK else None for t, st in zip(target_locations, res.status)]
+        except Exception:
+            log.exception("gcache batch_get failed")
+            return [None] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        try:
+            vals = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+            st = self.client.put(self.scheme.keys(list(keys), KV), vals, pool=self._tag(KV))
+            return all(s is Status.OK for s in st)
+        except Exception:
+            log.exception("gcache batch_set failed")
+            return False
+
+    def clear(self) -> bool:
+        log.warning("gcache storage: clear() is not supported (entries age out by eviction)")
+        return False
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def _record(self, kind: str, name: str, pool: Any, pages: int, seconds: float) -> None:
+        if not pages:
+            return
+        gb = self._page_gb.get(name)
+        if gb is None:
+            try:
+                gb = self._page_gb[name] = page_bytes(pool) / (1 << 30)
+            except Exception:  # noqa: BLE001  (metrics only: never fail an I/O call over them)
+                gb = self._page_gb[name] = 0.0
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(pages * gb / max(seconds, 1e-9))
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics since the last call (pages and GB/s per prefetch / backup)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._metrics_lock:
+            m = StorageMetrics(**{k: list(v) for k, v in self._metrics.items()})
+            for v in self._metrics.values():
+                v.clear()
+        return m
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,53 @@
+"""gcache key naming for SGLang pages (pure).
+
+SGLang page keys are chained SHA-256 hex digests of the page tokens. A stored object is one
+page of one host pool on one shard: ``{page_hash}.{pool}@{shard}``. The shard names the model,
+the TP rank and size (MLA models keep one copy shared by every rank, so their KV shard omits
+the rank), the pipeline stage and the context-parallel rank, so no two writers of different
+bytes share a key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    model: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    is_mla: bool = False
+
+    @classmethod
+    def from_storage_config(cls, cfg: Any) -> KeyScheme:
+        return cls(
+            model="-".join((cfg.model_name or "").split("/")),
+            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
+            cp_rank=getattr(cfg, "attn_cp_rank", 0), cp_size=getattr(cfg, "attn_cp_size", 1),
+            is_mla=bool(cfg.is_mla_model),
+        )
+
+    def shard(self, pool: str) -> str:
+        """Rank-shared for MLA KV; per TP rank otherwise (side pools are rank-sharded)."""
+        s = self.model
+        if not (self.is_mla and pool == "kv"):
+            s += f"_tp{self.tp_rank}of{self.tp_size}"
+        if self.pp_size > 1:
+            s += f"_pp{self.pp_rank}of{self.pp_size}"
+        if self.cp_size > 1:
+            s += f"_cp{self.cp_rank}of{self.cp_size}"
+        return s
+
+    def key(self, page_hash: str, pool: str) -> bytes:
+        return f"{page_hash}.{pool}@{self.shard(pool)}".encode()
+
+    def keys(self, page_hashes: list[str], pool: str) -> list[bytes]:
+        suffix = f".{pool}@{self.shard(pool)}"
+        return [(h + suffix).encode() for h in page_hashes]

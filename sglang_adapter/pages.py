@@ -1,0 +1,39 @@
+"""Host-pool pages as byte views (zero-copy) and the per-call bookkeeping of the adapter.
+
+A registered SGLang host pool describes where a page lives with ``get_page_buffer_meta``:
+pointers and sizes, one or more buffers per page (page_first / page_first_direct: K and V;
+layer_first: K and V of every layer; MLA: one). Each page becomes one gcache value made of
+those buffers, sent and received scatter-gather straight from / into the pool's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+
+def _view(ptr: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+
+
+def page_views(host_pool: Any, host_indices: Any, n_pages: int) -> list[list[memoryview]]:
+    """For each of ``n_pages`` pages at ``host_indices`` (page_size indices per page), the list of
+    memoryviews over its buffers in the host pool. Raises ValueError if the pool's metadata does
+    not split evenly into pages."""
+    if n_pages == 0:
+        return []
+    ptrs, sizes = host_pool.get_page_buffer_meta(host_indices)
+    if len(ptrs) != len(sizes) or len(ptrs) % n_pages:
+        raise ValueError(f"{type(host_pool).__name__}: {len(ptrs)} buffers for {n_pages} pages")
+    per = len(ptrs) // n_pages
+    return [[_view(int(p), int(s)) for p, s in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])]
+            for i in range(n_pages)]
+
+
+def page_bytes(host_pool: Any) -> int:
+    """Bytes one page of ``host_pool`` takes in gcache (all its buffers)."""
+    import torch
+
+    idx = torch.arange(0, host_pool.page_size, dtype=torch.int64)
+    _, sizes = host_pool.get_page_buffer_meta(idx)
+    return int(sum(sizes))

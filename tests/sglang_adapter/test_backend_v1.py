@@ -1,0 +1,121 @@
+"""The adapter against the real sglang 0.5.23 classes and real gcache daemons: v1 (zero-copy KV)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from tests.sglang_adapter.conftest import fill_random, make_storage, mha_host_pool
+
+pytestmark = pytest.mark.usefixtures("sgl")
+
+
+def page_bytes_at(pool, idx):
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    return [ctypes.string_at(p, n) for p, n in zip(ptrs, sizes)]
+
+
+def test_created_through_the_factory_dynamic_mechanism(adapter_cluster):
+    from sglang_adapter.backend import GCacheStorage
+
+    s = make_storage(adapter_cluster.addresses)
+    assert isinstance(s, GCacheStorage) and s.config.nodes == tuple(adapter_cluster.addresses)
+    s.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_v1_round_trip_through_real_host_pools(adapter_cluster, layout):
+    import torch
+
+    src, dst = mha_host_pool(layout), mha_host_pool(layout)
+    fill_random(src, seed=1)
+    w, r = make_storage(adapter_cluster.addresses), make_storage(adapter_cluster.addresses)
+    w.register_mem_pool_host(src)
+    r.register_mem_pool_host(dst)
+    keys = [f"{layout}-{i:02x}" for i in range(5)]
+    idx = torch.arange(8, 28)  # 5 pages of 4 tokens
+    assert w.batch_set_v1(keys, idx) == [True] * 5
+    assert r.batch_exists(keys) == 5 and r.batch_exists(keys + ["absent"]) == 5
+    assert page_bytes_at(dst, idx) != page_bytes_at(src, idx)
+    assert r.batch_get_v1(keys, idx) == [True] * 5
+    assert page_bytes_at(dst, idx) == page_bytes_at(src, idx)
+    assert r.batch_get_v1(["absent"] + keys[:1], idx[:8]) == [False, True]
+    m = w.get_stats()
+    assert m.backup_pgs == [5] and m.backup_bandwidth[0] > 0 and w.get_stats().backup_pgs == []
+    assert r.get_stats().prefetch_pgs == [5, 1]
+    w.close()
+    r.close()
+
+
+def test_asymmetric_kv_pool_needs_and_gets_the_zero_copy_path(adapter_cluster):
+    import torch
+    from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost
+
+    src, dst = mha_host_pool("page_first", head_dim=8, v_head_dim=4), mha_host_pool("page_first", head_dim=8,
+                                                                                     v_head_dim=4)
+    assert isinstance(src, AsymmetricMHATokenToKVPoolHost)
+    with pytest.raises(NotImplementedError):
+        src.get_data_page(0, flat=True)  # the flat page API SGLang's generic path would use
+    fill_random(src, seed=2)
+    s = make_storage(adapter_cluster.addresses)
+    s.register_mem_pool_host(src)
+    idx = torch.arange(4, 16)
+    assert s.batch_set_v1(["a0", "a1", "a2"], idx) == [True] * 3
+    s.register_mem_pool_host(dst)
+    assert s.batch_get_v1(["a0", "a1", "a2"], idx) == [True] * 3
+    assert page_bytes_at(dst, idx) == page_bytes_at(src, idx)
+
+
+def test_concurrent_callers(adapter_cluster):
+    import torch
+
+    src = mha_host_pool("page_first", tokens=256)
+    fill_random(src, seed=3)
+    s = make_storage(adapter_cluster.addresses)
+    s.register_mem_pool_host(src)
+    errors = []
+
+    def worker(t):
+        try:
+            for rnd in range(5):
+                keys = [f"t{t}-{rnd}-{i}" for i in range(4)]
+                idx = torch.arange(t * 64, t * 64 + 16)
+                assert s.batch_set_v1(keys, idx) == [True] * 4
+                assert s.batch_get_v1(keys, idx) == [True] * 4
+        except BaseException as exc:  # noqa: BLE001  (reported by the main thread below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_dead_daemon_means_misses_not_exceptions_or_hangs(make_cluster):
+    import torch
+
+    adapter_cluster = make_cluster(nodes=2, mem="32MiB", extra_args=["--no-pretouch"])
+    src = mha_host_pool("page_first", tokens=128)
+    fill_random(src, seed=4)
+    s = make_storage(adapter_cluster.addresses, extra={"timeout_s": 0.5})
+    s.register_mem_pool_host(src)
+    keys = [f"d{i}" for i in range(16)]
+    idx = torch.arange(0, 64)
+    assert s.batch_set_v1(keys, idx) == [True] * 16
+    owners = s.client.owners(s.scheme.keys(keys, "kv"))
+    assert len(set(owners)) == 2
+    dead = {adapter_cluster.daemons[0].node_id, adapter_cluster.daemons[0].address}
+    adapter_cluster.kill(0)
+    t0 = time.monotonic()
+    got = s.batch_get_v1(keys, idx)
+    assert got == [o not in dead for o in owners]
+    assert s.batch_exists(keys) == next(i for i, o in enumerate(owners) if o in dead)
+    res = s.batch_set_v1([k + "x" for k in keys], idx)
+    assert not all(res) and any(res)
+    assert time.monotonic() - t0 < 5.0
+    s.close()

@@ -1,0 +1,123 @@
+"""v2 (hybrid KV + SWA pools) through the real HybridCacheController backup and prefetch code.
+
+The controller's constructor needs a GPU (streams, device pools), so the test builds the
+controller object without it and runs its real storage methods: ``_page_backup`` (KV through
+batch_set_v1, SWA through batch_set_v2 with TRAILING_PAGES), ``_storage_hit_query``
+(batch_exists_v2 and restorable_prefix_pages) and ``_page_transfer`` (KV batch_get_v1, SWA
+batch_get_v2 after ``_sync_trailing_keys``), on real host pools grouped by a real HostPoolGroup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from queue import Queue
+from types import SimpleNamespace
+
+import pytest
+
+from tests.sglang_adapter.conftest import fill_random, make_storage, mha_host_pool
+
+pytestmark = pytest.mark.usefixtures("sgl")
+PAGE, WINDOW_PAGES = 4, 2
+
+
+def _pages(pool, idx):
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    return [ctypes.string_at(p, n) for p, n in zip(ptrs, sizes)]
+
+
+def _controller(nodes, seed, extra=None):
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    kv = mha_host_pool("page_first", layers=2, tokens=128, page=PAGE)
+    swa = mha_host_pool("page_first", layers=3, tokens=128, page=PAGE)
+    fill_random(kv, seed)
+    fill_random(swa, seed + 100)
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.SWA, swa, None, lambda i: i)])
+    storage = make_storage(nodes, extra={"hicache_storage_pass_prefix_keys": True, **(extra or {})})
+    storage.register_mem_pool_host(group)  # what attach_storage_backend does
+    for entry in group.entries:
+        storage.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    storage.on_host_pools_registered()
+    ctl = object.__new__(HybridCacheController)
+    ctl.__dict__.update(storage_backend=storage, page_size=PAGE, storage_config=storage.storage_config,
+                        mem_pool_host=group,
+                        storage_host_pool=kv, prefetch_sync_queue=Queue(), storage_backend_type="dynamic",
+                        extra_host_mem_release_queues={})
+    ctl.page_set_func, ctl.page_get_func = ctl._page_set_zero_copy, ctl._page_get_zero_copy
+    return SimpleNamespace(ctl=ctl, kv=kv, swa=swa, storage=storage, torch=torch)
+
+
+def _backup(h, tokens, prefix_keys, kv_idx, swa_idx):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    last = prefix_keys[-1] if prefix_keys else None
+    hashes = get_storage_hash_str(tokens, last, page_size=PAGE)
+    op = StorageOperation(kv_idx, tokens, last_hash=last, hash_value=hashes, prefix_keys=list(prefix_keys),
+                          pool_transfers=[PoolTransfer(name=PoolName.SWA, host_indices=swa_idx,
+                                                       keys=hashes[-WINDOW_PAGES:],
+                                                       hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    h.ctl._page_backup(op)
+    assert op.completed_tokens == len(tokens)
+    assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.SWA: WINDOW_PAGES}
+    return hashes
+
+
+def _prefetch(h, tokens, kv_idx, swa_idx):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+
+    op = PrefetchOperation(SimpleNamespace(rid="r"), tokens, prefix_keys=[],
+                           pool_transfers=[PoolTransfer(name=PoolName.SWA, host_indices=swa_idx,
+                                                        keys=["?"] * WINDOW_PAGES,
+                                                        hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    hashes, hit_tokens = h.ctl._storage_hit_query(op)
+    op.hash_value = hashes
+    op.host_indices = kv_idx[:hit_tokens]
+    if hit_tokens:
+        h.ctl._page_transfer(op)
+    acks = [h.ctl.prefetch_sync_queue.get_nowait() for _ in range(h.ctl.prefetch_sync_queue.qsize())]
+    return op, hit_tokens, acks
+
+
+def test_backup_then_prefetch_restores_kv_and_the_swa_window(make_cluster):
+    cluster = make_cluster(nodes=2, mem="32MiB", extra_args=["--pool-budget", "kv=60%", "--pool-budget",
+                                                             "swa=20%", "--no-pretouch"])
+    torch_ = __import__("torch")
+    w = _controller(cluster.addresses, seed=1)
+    tokens = list(range(1000, 1000 + 6 * PAGE))  # 6 pages: SWA keeps the last 2
+    kv_idx, swa_idx = torch_.arange(0, 6 * PAGE), torch_.arange(40, 40 + WINDOW_PAGES * PAGE)
+    first = _backup(w, tokens[:3 * PAGE], [], kv_idx[:3 * PAGE], torch_.arange(16, 16 + WINDOW_PAGES * PAGE))
+    _backup(w, tokens[3 * PAGE:], first, kv_idx[3 * PAGE:], swa_idx)  # extends the chain
+    stats = w.storage.client.stats()
+    assert sum(s.get("pool_keys:sglang:swa", 0) for s in stats.values()) == 4  # two windows, not 6 pages
+    assert sum(s.get("pool_keys:sglang:kv", 0) for s in stats.values()) == 6
+
+    r = _controller(cluster.addresses, seed=7)
+    dst_kv, dst_swa = torch_.arange(64, 64 + 6 * PAGE), torch_.arange(96, 96 + WINDOW_PAGES * PAGE)
+    op, hit_tokens, acks = _prefetch(r, tokens, dst_kv, dst_swa)
+    assert hit_tokens == 6 * PAGE and op.pool_storage_result.restorable_prefix_pages == [3, 6]
+    assert acks[0].completed_tokens == 6 * PAGE  # the KV batch
+    assert _pages(r.kv, dst_kv) == _pages(w.kv, kv_idx)
+    assert _pages(r.swa, dst_swa) == _pages(w.swa, swa_idx)
+    assert acks[-1].pool_hits == {"swa": WINDOW_PAGES}
+
+
+def test_missing_swa_page_inside_the_window_shortens_the_hit(make_cluster):
+    cluster = make_cluster(nodes=2, mem="32MiB", extra_args=["--no-pretouch"])
+    torch_ = __import__("torch")
+    w = _controller(cluster.addresses, seed=3)
+    tokens = list(range(5000, 5000 + 6 * PAGE))
+    first = _backup(w, tokens[:3 * PAGE], [], torch_.arange(0, 3 * PAGE), torch_.arange(16, 24))
+    second = _backup(w, tokens[3 * PAGE:], first, torch_.arange(3 * PAGE, 6 * PAGE), torch_.arange(40, 48))
+    w.storage.client.delete(w.storage.scheme.keys([second[-1]], "swa"))  # a page inside the last window
+    r = _controller(cluster.addresses, seed=9)
+    op, hit_tokens, _ = _prefetch(r, tokens, torch_.arange(64, 88), torch_.arange(96, 104))
+    assert op.pool_storage_result.restorable_prefix_pages == [3]
+    assert hit_tokens == 3 * PAGE  # falls back to the earlier restore point, never past the hole
