@@ -49,3 +49,12 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None
 
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """shutdown(SHUT_RDWR), ignoring a socket that is already gone. On a listening socket this
+    also wakes the thread blocked in accept(), which close() alone does not."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -314,6 +314,13 @@ class Client:
         def build(idxs: list[int], kb: list[bytes]) -> tuple[dict, list]:
             return {"ns": ns, "keys": kb}, []
 
+        def dest_for(i: int, size: int) -> memoryview | list[memoryview]:
+            """Where key i's value goes: the caller's buffer, or a new bytearray."""
+            if views is None:
+                bufs[i] = bytearray(size)
+                return memoryview(bufs[i])
+            return views[i]
+
         def finish(idxs: list[int], meta: dict, plen: int, conn: Connection, deadline: float) -> None:
             sts = _statuses(meta, len(idxs), conn.node)
             szs = meta.get("sz")
@@ -327,11 +334,7 @@ class Client:
                 if st is not Status.OK:
                     status[i] = st
                     continue
-                if views is None:
-                    bufs[i] = bytearray(sz)
-                    dest = memoryview(bufs[i])
-                else:
-                    dest = views[i]
+                dest = dest_for(i, sz)
                 if _nbytes(dest) < sz:
                     conn.discard(sz, deadline)
                     status[i] = Status.BUFFER_TOO_SMALL
@@ -357,11 +360,7 @@ class Client:
                 if st is not Status.OK:
                     status[i] = st
                     continue
-                if views is None:
-                    bufs[i] = bytearray(sz)
-                    dest = memoryview(bufs[i])
-                else:
-                    dest = views[i]
+                dest = dest_for(i, sz)
                 if _nbytes(dest) < sz:
                     if off < 0:
                         conn.discard(sz, deadline)

@@ -28,6 +28,7 @@ from gcache import protocol as P
 from gcache.protocol import Op, Status
 from gcache.server.handler import Handler, Refused, parse_pool_meta
 from gcache.tier.store import Hit, Reservation, Store
+from gcache.wire import shutdown_quietly
 
 
 log = logging.getLogger(__name__)
@@ -241,17 +242,11 @@ class LocalServer:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
+        shutdown_quietly(self._lsock)
         self._lsock.close()
         with self._lock:
             for h in self._handlers:
-                try:
-                    h.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                shutdown_quietly(h.sock)
 
 
 

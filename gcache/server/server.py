@@ -12,7 +12,7 @@ import threading
 
 from gcache.server.handler import Handler
 from gcache.tier.store import Store
-from gcache.wire import tune
+from gcache.wire import shutdown_quietly, tune
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,10 @@ class DataServer:
 
     def stop(self) -> None:
         self._stopped.set()
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
+        shutdown_quietly(self._lsock)
         self._lsock.close()
         with self._lock:
             for sock in list(self._conns):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                shutdown_quietly(sock)
         if self._thread is not None:
             self._thread.join(timeout=5)
