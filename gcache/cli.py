@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 
 from gcache.errors import GCacheError
 
@@ -32,11 +30,11 @@ def _client(args: argparse.Namespace):
 def cmd_up(args: argparse.Namespace) -> int:
     from gcache.cluster import LocalCluster
 
+    from gcache.process import stop_on_signals
+
     cluster = LocalCluster(nodes=args.nodes_count, mem=args.mem, disk=args.disk_size if args.disk else None,
                            root=args.dir, masters=args.masters)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         cluster.start()
     except GCacheError as exc:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -23,6 +21,7 @@ import grpc
 
 from gcache.errors import ConfigError
 from gcache.meta import rpc
+from gcache.process import stop_on_signals, write_ready
 from gcache.meta.nodetable import COMMAND_VERSION, OWNING, NodeTable
 from gcache.meta.raft import ProposalFailed, RaftGroup
 
@@ -232,14 +231,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"gcache master: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     print(f"gcache master listening on {master.address} raft={config.raft}", flush=True)
     if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(master.address)
-        os.replace(args.ready_file + ".tmp", args.ready_file)
+        write_ready(args.ready_file, master.address)
     stop.wait()
     master.stop()
     return 0

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
-import threading
 
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
+from gcache.process import stop_on_signals, write_ready
 from gcache.server.agent import Agent
 from gcache.server.local import LocalServer
 from gcache.server.server import DataServer
@@ -107,9 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"gcache daemon: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     server.start()
     if local is not None:
         local.start()
@@ -127,14 +123,9 @@ def run(args: argparse.Namespace) -> int:
     if metrics is not None:
         print(f"gcached metrics on http://{metrics.address}/metrics", flush=True)
         if args.ready_file:  # before the ready file, so whoever sees that one finds this one
-            with open(args.ready_file + ".metrics.tmp", "w") as f:
-                f.write(metrics.address)
-            os.replace(args.ready_file + ".metrics.tmp", args.ready_file + ".metrics")
+            write_ready(args.ready_file + ".metrics", metrics.address)
     if args.ready_file:
-        tmp = args.ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(server.address)
-        os.replace(tmp, args.ready_file)
+        write_ready(args.ready_file, server.address)
     stop.wait()
     log.info("stopping")
     if agent is not None:
