@@ -77,7 +77,9 @@ class Master:
         self.table = NodeTable()
         self.cond = threading.Condition()
         self.raft = RaftGroup(config.raft, list(config.peers), config.token, _Guarded(self.table, self.cond))
-        self._last_seen: dict[str, float] = {}
+        # node -> (incarnation, when this master last heard from it). A new incarnation starts a
+        # fresh grace period even on masters that did not handle its Register.
+        self._last_seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="master-rpc"),
                                   options=rpc.CHANNEL_OPTIONS)
@@ -124,7 +126,7 @@ class Master:
     def register(self, req: dict, context: grpc.ServicerContext) -> dict:
         out = self._propose({"op": "register", "node": str(req["node"]), "address": str(req["address"]),
                              "capacity": int(req["capacity"])}, context)
-        self._last_seen[str(req["node"])] = time.monotonic()
+        self._last_seen[str(req["node"])] = (int(out["inc"]), time.monotonic())
         log.info("registered %s at %s (incarnation %d, epoch %d)", req["node"], req["address"], out["inc"],
                  out["epoch"])
         return {**out, "membership": self._membership(at_least=out["epoch"])}
@@ -140,7 +142,7 @@ class Master:
             why = "unknown node" if rec is None else (
                 "stale incarnation" if rec["inc"] != inc else "declared down")
             return {"ok": False, "reason": why, "epoch": epoch}
-        self._last_seen[node] = time.monotonic()
+        self._last_seen[node] = (inc, time.monotonic())
         return {"ok": True, "epoch": epoch, "state": rec["state"], "handover_pending": pending}
 
     def _membership(self, at_least: int = 0) -> dict:
@@ -176,7 +178,7 @@ class Master:
     def status(self, req: dict, context: grpc.ServicerContext) -> dict:
         now = time.monotonic()
         return {"master": {"grpc": self.address, **self.raft.status()}, "membership": self._membership(),
-                "heartbeat_age_s": {n: round(now - t, 3) for n, t in self._last_seen.items()}}
+                "heartbeat_age_s": {n: round(now - t, 3) for n, (_inc, t) in self._last_seen.items()}}
 
     # -- failure detection (leader only) ----------------------------------------------------
     def _detect_loop(self) -> None:
@@ -194,7 +196,11 @@ class Master:
             for node, inc, state in nodes:
                 if state not in OWNING:
                     continue
-                age = now - max(self._last_seen.get(node, 0.0), leader_since)
+                seen_inc, seen_at = self._last_seen.get(node, (inc, 0.0))
+                if seen_inc != inc:  # a new incarnation we have not heard from yet: grace period
+                    self._last_seen[node] = (inc, now)
+                    continue
+                age = now - max(seen_at, leader_since)
                 target = ("down" if age > self.config.down_after_s
                           else "suspect" if age > self.config.suspect_after_s else "up")
                 if target != state:
