@@ -172,6 +172,13 @@ def test_stopped_daemon_never_serves_under_an_old_epoch(ha):
     assert min(served_epochs) > down_epoch, "served under the epoch in which it was declared down"
     # it re-registered with a new incarnation before serving
     assert poll(lambda: states(mc)[victim.node_id][1] == 2, 5)
+    # ...and stays registered: every master, the leader included, gives the new incarnation a
+    # grace period (regression: the leader declared it DOWN again at once when another master
+    # had handled its Register)
+    deadline = time.monotonic() + 3.5  # longer than --down-after
+    while time.monotonic() < deadline:
+        assert states(mc)[victim.node_id] in (("up", 2), ("suspect", 2))
+        time.sleep(0.05)
     print(f"\nafter SIGCONT: {fenced} requests refused as FENCED, then served at epoch >= {min(served_epochs)} "
           f"(declared down at {down_epoch})")
 
