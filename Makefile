@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,router,bench
+EXTRAS ?= dev,router,bench,ucx
 
-.PHONY: run test venv system-deps lint clean
+.PHONY: run test venv system-deps lint clean bench-peers sglang-deps
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,22 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 run: venv
-	$(VENV)/bin/gcache bench --nodes 3
+	$(VENV)/bin/gcache bench throughput --quick --nodes 3
 
-test: venv system-deps
+# The peers `gcache bench throughput` measures beside gcache: redis-server (Debian) and Mooncake
+# Store (PyPI, non-CUDA wheel; it links libibverbs even when it only speaks TCP).
+bench-peers: venv system-deps
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { \
+	  echo "installing libibverbs1 (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
+	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+
+# The real sglang 0.5.23 (CPU torch, sglang without its CUDA deps) for tests/sglang_adapter;
+# idempotent: returns at once when already installed.
+sglang-deps: venv
+	scripts/install_sglang.sh $(VENV)
+
+test: venv system-deps sglang-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

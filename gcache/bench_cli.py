@@ -1,26 +1,82 @@
-"""``gcache bench`` argument parsing (the benchmark itself lives in gcache.bench)."""
+"""``gcache bench`` argument parsing (the benchmarks themselves live in gcache.bench).
+
+``gcache bench`` with no subcommand runs ``throughput``, so the core issue's command lines
+(``gcache bench --nodes 3 --sizes 64KiB``) keep working.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 
-def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="throughput/latency benchmark against a local (or given) cluster, "
-                                     "with the raw-socket ceiling measured in the same run")
+def _throughput_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--nodes", default="3",
                    help="number of local daemons to start (default %(default)s), or HOST:PORT,... of a running cluster")
     b.add_argument("--mem", default="1GiB", help="RAM arena per local daemon (default %(default)s)")
-    b.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="value sizes (default %(default)s)")
-    b.add_argument("--batch", type=int, default=16, help="keys per batch (default %(default)s)")
-    b.add_argument("--threads", default="1,4", help="client thread counts (default %(default)s)")
-    b.add_argument("--seconds", type=float, default=1.5, help="time per measurement (default %(default)s)")
-    b.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON here")
+    b.add_argument("--quick", action="store_true",
+                   help="the one-minute profile: 64KiB,1MiB,4MiB x batch 16, one thread, put/get, 0.4 s a figure")
+    b.add_argument("--sizes", default=None, help="value sizes (default 4KiB..16MiB; --quick: 64KiB,1MiB,4MiB)")
+    b.add_argument("--batch", default=None, help="keys per batch, comma-separated (default 16)")
+    b.add_argument("--threads", default=None, help="client thread counts (default 1,4; --quick: 1)")
+    b.add_argument("--ops", default=None, help="put,get,exists (default all three; --quick: put,get)")
+    b.add_argument("--seconds", type=float, default=None, help="time per figure (default 1.0; --quick: 0.4)")
+    b.add_argument("--transport", default="tcp",
+                   help="gcache transports: tcp,local,ucx; unavailable ones are skipped with the reason "
+                        "(default %(default)s)")
+    b.add_argument("--peers", default="redis,mooncake",
+                   help="peers measured in the same run, or 'none' (default %(default)s; missing ones are "
+                        "skipped; `make bench-peers` installs them)")
+    b.add_argument("--ceilings", default="socket,memcpy", help="ceilings to measure (default %(default)s)")
+    b.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for throughput.json/.md and plots (default: beside --json, else bench/results)")
+    b.add_argument("--json", default=None, metavar="PATH", help="write the JSON records here")
+    b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.set_defaults(fn=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _hitrate_args(h: argparse.ArgumentParser) -> None:
+    h.add_argument("--trace", default=None,
+                   help="Mooncake-format JSONL trace (default ../shared/data/conversation_trace.jsonl)")
+    h.add_argument("--limit", type=int, default=0, help="replay only the first N requests (0 = all)")
+    h.add_argument("--nodes", type=int, default=3, help="local daemons (default %(default)s)")
+    h.add_argument("--page-bytes", default="4KiB",
+                   help="bytes of one 512-token block's page, scaled down from the model (default %(default)s)")
+    h.add_argument("--capacities", default="0.25,0.5,1.0,1.25",
+                   help="cluster RAM as fractions of the trace's working set (default %(default)s)")
+    h.add_argument("--tiers", default="ram,nvme",
+                   help="'ram' (RAM only) and/or 'nvme' (RAM + an NVMe tier of 1.25x the working set; with both, "
+                        "nvme only below capacity 1.0) (default %(default)s)")
+    h.add_argument("--quick", action="store_true", help="2,000 requests, capacities 0.5,1.25, RAM only")
+    h.add_argument("--out", default="bench/results", metavar="DIR",
+                   help="directory for hitrate.json/.md and plots (default %(default)s)")
+    h.add_argument("--json", default=None, metavar="PATH", help="write the JSON records here")
+    h.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    h.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks: throughput/latency beside ceilings and peers (default), "
+                                     "hit-rate replay of a trace")
+    _throughput_args(b)
+    b.set_defaults(fn=_run_throughput)
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate}")
+    t = bsub.add_parser("throughput", help="GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, "
+                                           "beside the memcpy and raw-socket ceilings")
+    _throughput_args(t)
+    t.set_defaults(fn=_run_throughput)
+    h = bsub.add_parser("hitrate", help="replay a Mooncake-format trace against a local cluster; token hit "
+                                        "rate vs capacity, beside the trace's own maximum")
+    _hitrate_args(h)
+    h.set_defaults(fn=_run_hitrate)
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
     from gcache.bench.throughput import run_cli
+
+    return run_cli(args)
+
+
+def _run_hitrate(args: argparse.Namespace) -> int:
+    from gcache.bench.hitrate import run_cli
 
     return run_cli(args)

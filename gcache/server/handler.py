@@ -113,6 +113,10 @@ class Handler:
                 if payload_len:
                     raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
                 extra(req_id, meta)
+                if self.metrics is not None and op in (Op.LGET, Op.LALLOC):  # the local path's gets and puts
+                    keys = meta.get("keys")
+                    self.metrics.observe("get" if op is Op.LGET else "put", t0,
+                                         len(keys) if isinstance(keys, list) else 0)
                 return True
             if op in LOCAL_OPS:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"{op.name} is only served on the local (Unix socket) path")
@@ -259,7 +263,7 @@ class Handler:
             if isinstance(pooled, str):
                 raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
             marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
-            fn = lambda k: self.store.exists(k, marks.get(k[1]))  # noqa: E731
+            fn = lambda k: self.store.exists(k, marks.get(k[1]))
         out = []
         for k in keys:
             refused = self._key_status(ns, k)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gcache.tier.pools import PoolGroup
 
 Key = tuple[str, bytes]  # (namespace, key)
+VICTIM_BATCH = 64
 
 
 class RamEntry:
@@ -95,13 +96,25 @@ class RamTier:
         return e
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
-        """Unpinned untagged entries, least recently used first (a snapshot: safe to pop while
-        iterating). Pooled entries are evicted only through their PoolGroup."""
-        if not self.untagged:
-            return
-        for key, e in list(self.index.items()):
-            if e.pins == 0 and e.group is None:
-                yield key, e
+        """Unpinned untagged entries, least recently used first; the caller may evict each one
+        yielded. Pooled entries are evicted only through their PoolGroup.
+
+        Candidates are taken from the LRU head in small batches, not by copying the whole
+        index: a put into a full arena then costs O(evicted), not O(keys stored)."""
+        while self.untagged:
+            batch = []
+            for key, e in self.index.items():
+                if e.pins == 0 and e.group is None:
+                    batch.append((key, e))
+                    if len(batch) == VICTIM_BATCH:
+                        break
+            if not batch:
+                return
+            for key, e in batch:
+                if self.index.get(key) is e:
+                    yield key, e
+            if all(self.index.get(key) is e for key, e in batch):
+                return  # the caller evicted none of them: do not offer them again
 
     def release(self, entry: RamEntry | None) -> None:
         """Free the entry's slot now, or when its last reader unpins it."""

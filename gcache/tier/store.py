@@ -69,7 +69,7 @@ class StoreConfig:
 class Reservation:
     """A slot being filled by a put: not visible to readers until commit()."""
 
-    __slots__ = ("off", "size", "view", "group")
+    __slots__ = ("group", "off", "size", "view")
 
     def __init__(self, off: int, size: int, view: memoryview, group: PoolGroup | None = None) -> None:
         self.off, self.size, self.view, self.group = off, size, view, group

@@ -1,0 +1,119 @@
+"""Mooncake-format request traces and the prefix-hit arithmetic over them (pure, no I/O but
+reading the file).
+
+A trace line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+"hash_ids": [...]}`` with one id per ``block_tokens``-token block of the prompt; equal ids at
+the same position mean the same prefix up to and including that block, and the last block may
+be partial. A request's cached prefix is the longest run of its leading blocks that the cache
+holds: a block after a missing one is useless to the engine (it needs every earlier page), so
+it never counts as a hit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be replayed; the message names the line and the problem."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def prefix_tokens(self, blocks: int, block_tokens: int = BLOCK_TOKENS) -> int:
+        """Input tokens covered by the first ``blocks`` blocks (the last block may be partial)."""
+        return min(self.input_length, blocks * block_tokens)
+
+
+def parse_line(line: str, lineno: int = 0, block_tokens: int = BLOCK_TOKENS) -> TraceRequest:
+    try:
+        d = json.loads(line)
+        req = TraceRequest(int(d["timestamp"]), int(d["input_length"]), int(d.get("output_length", 0)),
+                           tuple(int(h) for h in d["hash_ids"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TraceError(f"trace line {lineno}: {exc!r}") from None
+    need = -(-req.input_length // block_tokens)
+    if req.input_length < 0 or len(req.hash_ids) != need:
+        raise TraceError(f"trace line {lineno}: {len(req.hash_ids)} hash_ids for {req.input_length} tokens "
+                         f"(expected {need} blocks of {block_tokens})")
+    return req
+
+
+def load_trace(path: str, limit: int = 0, block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
+    """The first ``limit`` requests of a JSONL trace (all when 0), blank lines skipped."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            out.append(parse_line(line, lineno, block_tokens))
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+def leading_hits(found: Sequence[bool]) -> int:
+    """How many leading entries are true: the usable prefix."""
+    n = 0
+    for f in found:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class HitAccounting:
+    """Token hit rate overall and per ``window_s`` of trace time."""
+
+    window_s: float = 60.0
+    hit_tokens: int = 0
+    input_tokens: int = 0
+    requests: int = 0
+    _windows: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, req: TraceRequest, hit_blocks: int, block_tokens: int = BLOCK_TOKENS) -> int:
+        """Record a request whose first ``hit_blocks`` blocks hit; returns its hit tokens."""
+        if not 0 <= hit_blocks <= len(req.hash_ids):
+            raise ValueError(f"hit_blocks={hit_blocks} outside [0, {len(req.hash_ids)}]")
+        hit = req.prefix_tokens(hit_blocks, block_tokens)
+        self.hit_tokens += hit
+        self.input_tokens += req.input_length
+        self.requests += 1
+        w = self._windows.setdefault(int(req.timestamp_ms / 1000 // self.window_s), [0, 0])
+        w[0] += hit
+        w[1] += req.input_length
+        return hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def series(self) -> list[list[float]]:
+        """[[window start, s], [hit rate in that window]] for every window with traffic."""
+        return [[k * self.window_s, h / t if t else 0.0] for k, (h, t) in sorted(self._windows.items())]
+
+
+def trace_max(requests: Iterable[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> HitAccounting:
+    """The best any cache can do on this trace: infinite capacity, prefix-only matching, in
+    arrival order (a block hits if any earlier request had it at that position)."""
+    seen: set[int] = set()
+    acc = HitAccounting()
+    for req in requests:
+        acc.add(req, leading_hits([h in seen for h in req.hash_ids]), block_tokens)
+        seen.update(req.hash_ids)
+    return acc
+
+
+def working_set_blocks(requests: Iterable[TraceRequest]) -> int:
+    """Distinct blocks in the trace: the pages a cache needs to never forget anything."""
+    return len({h for r in requests for h in r.hash_ids})

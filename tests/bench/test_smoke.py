@@ -1,0 +1,62 @@
+"""The two benchmarks as a user runs them, end to end, on real processes; outputs must parse."""
+
+import json
+import os
+import subprocess
+import sys
+
+from gcache.bench.records import validate
+
+SHARED_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "conversation_trace.jsonl")
+
+
+def gcache(*args, timeout=180):
+    p = subprocess.run([sys.executable, "-m", "gcache", *args], check=False, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_throughput_quick_with_peers(tmp_path):
+    out = gcache("bench", "throughput", "--quick", "--nodes", "2", "--mem", "96MiB", "--seconds", "0.1",
+                 "--transport", "tcp,local,ucx", "--no-progress", "--out", str(tmp_path))
+    assert "skipping gcache over ucx: the UCX transport is not built yet" in out
+    doc = json.loads((tmp_path / "throughput.json").read_text())
+    assert validate(doc) == []
+    systems = {r["system"] for r in doc["records"]}
+    assert {"gcache", "socket", "memcpy"} <= systems
+    for peer in ("redis", "mooncake"):  # measured, or skipped with the way to install it
+        assert peer in systems or f"skipping peer {peer}:" in out and "make bench-peers" in out
+    local = [r for r in doc["records"] if r["system"] == "gcache" and r["transport"] == "local"]
+    assert local or "skipping gcache over local:" in out  # the shared-memory path, where the daemons offer it
+    for r in local:
+        assert r["gbps"] > 0 and r["ceiling_gbps"] == next(
+            m["gbps"] for m in doc["records"] if m["system"] == "memcpy" and m["op"] == r["op"]
+            and m["value_bytes"] == r["value_bytes"])
+    g = [r for r in doc["records"] if r["system"] == "gcache" and r["transport"] == "tcp"]
+    assert {(r["op"], r["value_bytes"]) for r in g} == {(op, s) for op in ("put", "get")
+                                                          for s in (64 << 10, 1 << 20, 4 << 20)}
+    for r in g:
+        assert r["gbps"] > 0 and r["p999_ms"] >= r["p99_ms"] >= r["p50_ms"] > 0
+        assert r["ratio"] == round(r["gbps"] / r["ceiling_gbps"], 4)
+        assert set(r["ratios"]) == systems - {"gcache", "socket", "memcpy"} | ({"gcache/local"} if local else set())
+    assert (tmp_path / "throughput.md").read_text().startswith("| system |")
+    for png in ("throughput_gbps.png", "latency_cdf.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hitrate_on_a_200_request_slice(tmp_path):
+    out = gcache("bench", "hitrate", "--trace", SHARED_TRACE, "--limit", "200", "--capacities", "0.3,1.5",
+                 "--tiers", "ram,nvme", "--nodes", "2", "--no-progress", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "hitrate.json").read_text())
+    assert validate(doc) == [] and doc["trace"]["requests"] == 200
+    recs = {(r["capacity_bytes"] > r["working_set_bytes"], r["disk_bytes"] > 0): r for r in doc["records"]}
+    assert set(recs) == {(False, False), (True, False), (False, True)}  # no NVMe run where RAM holds it all
+    best = doc["trace"]["trace_max_hit_rate"]
+    assert 0.01 < best < 0.6
+    assert recs[(True, False)]["hit_rate"] >= 0.99 * best   # room for every page: (nearly) the maximum
+    assert recs[(False, True)]["hit_rate"] >= 0.99 * best   # NVMe holds what RAM cannot
+    assert recs[(False, False)]["hit_rate"] < recs[(True, False)]["hit_rate"]  # 30% of the pages loses hits
+    assert "trace maximum hit rate" in out
+    for png in ("hitrate_vs_capacity.png", "hitrate_over_time.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
