@@ -196,11 +196,11 @@ class Master:
             for node, inc, state in nodes:
                 if state not in OWNING:
                     continue
-                seen_inc, seen_at = self._last_seen.get(node, (inc, 0.0))
-                if seen_inc != inc:  # a new incarnation we have not heard from yet: grace period
-                    self._last_seen[node] = (inc, now)
+                seen = self._last_seen.get(node)
+                if seen is None or seen[0] != inc:  # an incarnation this master has not heard from
+                    self._last_seen[node] = (inc, now)  # yet: it gets a full grace period
                     continue
-                age = now - max(seen_at, leader_since)
+                age = now - max(seen[1], leader_since)
                 target = ("down" if age > self.config.down_after_s
                           else "suspect" if age > self.config.suspect_after_s else "up")
                 if target != state:
