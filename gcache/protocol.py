@@ -38,6 +38,7 @@ MAX_BATCH_KEYS = 65536
 
 FLAG_REPLY = 0x1
 FLAG_ERROR = 0x2
+FLAG_NOREPLY = 0x4  # request: do not answer (LDONE of a copy the client already validated)
 
 
 class Op(enum.IntEnum):

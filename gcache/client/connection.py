@@ -112,6 +112,12 @@ class Connection:
                 return True
             return False
 
+    def send_oneway(self, op: int, meta: dict[str, Any], deadline: float) -> None:
+        """A request the daemon does not answer (FLAG_NOREPLY)."""
+        raw = P.encode_meta(meta)
+        with self._io(deadline):
+            self.sock.sendall(P.pack_header(op, P.FLAG_NOREPLY, 0, len(raw), 0) + raw)
+
     def send(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], deadline: float,
              timeout_s: float) -> int:
         """Send one whole request frame (blocking until the deadline)."""

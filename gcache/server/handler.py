@@ -55,6 +55,7 @@ class Handler:
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._scratch = memoryview(bytearray(DRAIN_CHUNK))
         self._owner_check = None
+        self.req_flags = 0  # flags of the request being served
         self.extra_ops: dict[Op, Any] = {}  # ops a subclass serves (the local path)
 
     def serve(self) -> None:
@@ -78,7 +79,7 @@ class Handler:
         t0 = time.perf_counter()
         try:
             try:
-                version, op, _flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
+                version, op, self.req_flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
             except ValueError as exc:
                 raise Refused(ErrorCode.BAD_FRAME, str(exc), fatal=True) from None
             if version != P.VERSION:

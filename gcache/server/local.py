@@ -124,8 +124,12 @@ class LocalHandler(Handler):
             else:
                 inline.append(hit)
                 offs.append(-1)
-        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, hits=hits)) if hits else 0
-        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid}, 0,
+        deadline = time.monotonic() + self.lease_s
+        lid = self._new_lease(_Lease(deadline, hits=hits)) if hits else 0
+        # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
+        # kernel: the abstract socket is only reachable from this host). A copy finished before
+        # it cannot have raced a reuse of its slots, so the client may release it one-way.
+        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}, 0,
                     [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
@@ -138,7 +142,8 @@ class LocalHandler(Handler):
             held.append(lease is not None)
             if lease is not None:
                 self._drop(lease)
-        self._reply(Op.LDONE, req_id, {"ok": held})
+        if not self.req_flags & P.FLAG_NOREPLY:
+            self._reply(Op.LDONE, req_id, {"ok": held})
 
     def _lalloc(self, req_id: int, meta: dict[str, Any]) -> None:
         ns, keys = self._ns_keys(meta)
