@@ -87,8 +87,12 @@ class GcacheTcp(Target):
         except ImportError:  # a client without the local path speaks only TCP
             if self.local_mode != "off":
                 raise BenchError("this gcache client has no local path") from None
+        kw.update(self.extra_client_kw())
         self.client = Client(addresses, namespace="bench", timeout_s=60.0, **kw)
         self.mem_budget = mem_budget
+
+    def extra_client_kw(self) -> dict:
+        return {}
 
     def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
         c = self.client
@@ -172,9 +176,22 @@ class Socket(Target):
         self.peer.close()
 
 
-TRANSPORT_REASONS = {
-    "ucx": "the UCX transport is not built yet (fast-paths issue)",
-}
+class GcacheUcx(GcacheTcp):
+    """The gcache client over UCX (``Transport.UCX``; daemons started with ``--ucx``). UCX picks
+    its transports from UCX_TLS: tcp and shared memory here, verbs/GPUDirect where they exist."""
+
+    transport = "ucx"
+
+    def extra_client_kw(self) -> dict:
+        from gcache.transport import Transport, ucx
+
+        ok, why = ucx.available()
+        if not ok:
+            raise BenchError(why)
+        return {"transport": Transport.UCX}
+
+
+TRANSPORT_REASONS: dict[str, str] = {}
 TRANSPORTS = ("tcp", "local", "ucx")
 
 
@@ -184,6 +201,8 @@ def gcache_transport(name: str, addresses: list[str], mem_budget: int) -> Target
         return GcacheTcp(addresses, mem_budget)
     if name == "local":
         return _probe(GcacheLocal, addresses, mem_budget)
+    if name == "ucx":
+        return _probe(GcacheUcx, addresses, mem_budget)
     if name in TRANSPORT_REASONS:
         return Unavailable(name, TRANSPORT_REASONS[name])
     return Unavailable(name, f"unknown transport (known: {', '.join(TRANSPORTS)})")

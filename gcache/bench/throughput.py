@@ -205,7 +205,8 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"gcache bench throughput: unknown transport {unknown} (known: {', '.join(TRANSPORTS)})")
     cluster = None
     if args.nodes.isdigit():
-        cluster = LocalCluster(nodes=int(args.nodes), mem=args.mem).start()
+        extra = ["--ucx"] if "ucx" in transports else []  # daemons serve UCX only when asked
+        cluster = LocalCluster(nodes=int(args.nodes), mem=args.mem, extra_args=extra).start()
         addresses, mem_budget = cluster.addresses, int(args.nodes) * parse_size(args.mem)
         print(f"local cluster: {len(addresses)} daemons, {args.mem} RAM each: {', '.join(addresses)}")
     else:
