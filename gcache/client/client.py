@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import select
-from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +33,7 @@ from gcache.transport import Transport
 
 KeyLike = str | bytes
 LEASE_MARGIN_S = 0.05  # a local read finished this long before its lease deadline is valid
+LOCAL_OPS = {Op.GET: Op.LGET, Op.PUT: Op.LALLOC}  # what a batch sends over the local path
 
 
 class LocalPath(enum.Enum):
@@ -126,7 +126,6 @@ class Client:
                           self.local.value if self.transport is Transport.TCP else "off", self.transport.value)
         self._lock = threading.Lock()
         self._watcher: MembershipWatcher | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._staging: StagingPool | None = None
         self._may_refresh = rate_limited(0.05)
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
@@ -156,9 +155,6 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -226,11 +222,10 @@ class Client:
             for i, st in zip(idxs, _statuses(meta, len(idxs), conn.node)):
                 status[i] = st
 
-        def local(idxs: list[int], conn: Connection, meta: dict, deadline: float) -> None:
-            """Reserve slots in the daemon's arena, copy the values in, commit."""
+        def local(idxs: list[int], conn: Connection, reply: dict, plen: int, deadline: float) -> None:
+            """The daemon reserved slots in its arena (LALLOC): copy the values in, commit."""
             arena = conn.arena
             assert arena is not None
-            reply = conn.call(Op.LALLOC, meta, deadline)
             reserved = _statuses(reply, len(idxs), conn.node)
             for i, st, off in zip(idxs, reserved, reply.get("off") or []):
                 if st is Status.OK:
@@ -345,12 +340,11 @@ class Client:
                 status[i] = Status.OK
                 sizes[i] = sz
 
-        def local(idxs: list[int], conn: Connection, meta: dict, deadline: float) -> None:
-            """Pin the values under a lease, copy them out of the mapped arena, release the lease;
-            a lease that expired meanwhile turns its keys into misses (never torn bytes)."""
+        def local(idxs: list[int], conn: Connection, reply: dict, plen: int, deadline: float) -> None:
+            """The daemon pinned the values under a lease (LGET): copy them out of the mapped
+            arena, release the lease; one that expired meanwhile turns its keys into misses."""
             arena = conn.arena
             assert arena is not None
-            reply = conn.call(Op.LGET, meta, deadline, keep_payload=True)
             sts = _statuses(reply, len(idxs), conn.node)
             szs, offs = reply.get("sz"), reply.get("off")
             if not isinstance(szs, list) or not isinstance(offs, list) or len(szs) != len(idxs) != len(offs):
@@ -370,7 +364,8 @@ class Client:
                 if off < 0:  # sent inline (not in the arena)
                     _recv_parts(conn, dest, sz, deadline)
                 else:
-                    _copy_parts(arena[off:off + sz], dest)
+                    for d, src in _copy_pairs(arena[off:off + sz], dest):
+                        _memcpy(d, src)
                     copied.append(i)
                 status[i], sizes[i] = Status.OK, sz
             if reply.get("ls"):
@@ -451,8 +446,8 @@ class Client:
                status: list[Status], failures: list[GCacheError], deadline: float,
                local: Callable | None = None, sizes: Sequence[int] | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
-        epoch a reply carried. Owners reached over the local path are served by ``local`` (a
-        copy through the mapped arena) while the remote requests are in flight."""
+        epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead, and
+        ``local`` copies through the mapped arena when their reply comes in."""
         if not which:
             return 0
         by_node: dict[str, list[int]] = {}
@@ -462,7 +457,6 @@ class Client:
         # in flight at once, so one caller keeps the owner's threads and the wire busy.
         groups = [(node, chunk) for node, idxs in by_node.items() for chunk in self._split(idxs, sizes)]
         epochs = [0]
-        local_jobs: list[tuple[list[int], Connection, dict]] = []
         sync_jobs: dict[int, tuple[list[int], Connection]] = {}  # not pollable (UCX): posted now, read below
         sending: dict[int, tuple[list[int], Connection]] = {}
         for node, idxs in groups:
@@ -476,8 +470,9 @@ class Client:
                     meta["ep"] = epoch
                 if fallback:
                     meta["fb"] = 1
-                if conn.arena is not None and local is not None:
-                    local_jobs.append((idxs, conn, meta))
+                if conn.arena is not None and local is not None:  # the local path: slots, not payload
+                    conn.prepare(LOCAL_OPS[op], meta, [], self.timeout_s)
+                    sending[conn.sock.fileno()] = (idxs, conn)
                     continue
                 if not getattr(conn.sock, "pollable", True):
                     conn.prepare(op, meta, payload, self.timeout_s)
@@ -494,7 +489,10 @@ class Client:
             ep = meta.get("ep")
             if isinstance(ep, int):
                 epochs.append(ep)
-            finish(idxs, meta, plen, conn, deadline)
+            if conn.arena is not None and local is not None:
+                local(idxs, conn, meta, plen, deadline)  # copy through the mapped arena
+            else:
+                finish(idxs, meta, plen, conn, deadline)
             self._pool.put(conn)
             return True
 
@@ -502,20 +500,6 @@ class Client:
         # up the others; then read each reply as soon as its owner has started answering.
         receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
                                     lambda idxs, conn: conn.send_some(deadline))
-        def run_local(job: tuple[list[int], Connection, dict]) -> None:
-            idxs, conn, meta = job
-            assert local is not None
-            try:
-                local(idxs, conn, meta, deadline)
-                epochs.append(conn.last_epoch)
-                self._pool.put(conn)
-            except GCacheError as exc:
-                self._failed(idxs, conn, exc, status, failures)
-
-        if len(local_jobs) == 1:
-            run_local(local_jobs[0])
-        elif local_jobs:  # several daemons on this host: copy in parallel, none waits on a stalled one
-            list(self._local_workers().map(run_local, local_jobs))
         while sync_jobs:  # read each reply as it arrives, so a stalled owner holds up no other
             socks = [conn.sock for _idxs, conn in sync_jobs.values()]
             ready = type(socks[0]).wait_readable(socks, deadline)
@@ -538,12 +522,6 @@ class Client:
             if self._staging is None:
                 self._staging = StagingPool()
             return self._staging
-
-    def _local_workers(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gcache-local")
-            return self._executor
 
     def _split(self, idxs: list[int], sizes: Sequence[int] | None) -> list[list[int]]:
         """Cut one owner's keys into requests of at most ``split_bytes`` (when the value sizes
@@ -645,18 +623,18 @@ def _memcpy(dest: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
-def _copy_parts(src: memoryview, dest: memoryview | list[memoryview]) -> None:
-    """Copy ``src`` into one view or, in order, into several (one memcpy each)."""
+def _copy_pairs(src: memoryview, dest: memoryview | list[memoryview]) -> list[tuple[memoryview, memoryview]]:
+    """The (dest, src) copies that put ``src`` into one view or, in order, into several."""
     if not isinstance(dest, list):
-        _memcpy(dest[: len(src)], src)
-        return
-    pos = 0
+        return [(dest[: len(src)], src)]
+    out, pos = [], 0
     for part in dest:
         n = min(len(part), len(src) - pos)
         if n <= 0:
             break
-        _memcpy(part[:n], src[pos:pos + n])
+        out.append((part[:n], src[pos:pos + n]))
         pos += n
+    return out
 
 
 def _nbytes(dest: memoryview | list[memoryview]) -> int:
