@@ -18,6 +18,9 @@ def _throughput_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--sizes", default=None, help="value sizes (default 4KiB..16MiB; --quick: 64KiB,1MiB,4MiB)")
     b.add_argument("--batch", default=None, help="keys per batch, comma-separated (default 16)")
     b.add_argument("--threads", default=None, help="client thread counts (default 1,4; --quick: 1)")
+    b.add_argument("--procs", type=int, default=1,
+                   help="also measure gcache (tcp, local) with this many client processes at once, each "
+                        "running --threads threads (default 1: no extra figures)")
     b.add_argument("--ops", default=None, help="put,get,exists (default all three; --quick: put,get)")
     b.add_argument("--seconds", type=float, default=None, help="time per figure (default 1.0; --quick: 0.4)")
     b.add_argument("--transport", default="tcp",

@@ -76,7 +76,7 @@ class GcacheTcp(Target):
     system, transport = "gcache", "tcp"
     local_mode = "off"  # never the shared-memory path, even where the daemon offers it
 
-    def __init__(self, addresses: list[str], mem_budget: int) -> None:
+    def __init__(self, addresses: list[str], mem_budget: int, namespace: str = "bench") -> None:
         from gcache.client import Client
 
         kw = {}
@@ -88,11 +88,14 @@ class GcacheTcp(Target):
             if self.local_mode != "off":
                 raise BenchError("this gcache client has no local path") from None
         kw.update(self.extra_client_kw())
-        self.client = Client(addresses, namespace="bench", timeout_s=60.0, **kw)
+        self.client = Client(addresses, namespace=namespace, timeout_s=60.0, **kw)
         self.mem_budget = mem_budget
 
     def extra_client_kw(self) -> dict:
         return {}
+
+    def before_timing(self) -> None:
+        """Called once the keys are loaded, just before the clock starts (a process barrier)."""
 
     def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
         c = self.client
@@ -118,6 +121,7 @@ class GcacheTcp(Target):
             return lambda i: all(c.exists(ks[i % n]))
 
         try:
+            self.before_timing()
             timing = drive([step_for(t) for t in range(threads)], seconds, f"gcache {op}")
         finally:
             for ks in keys:

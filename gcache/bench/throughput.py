@@ -85,7 +85,8 @@ def attach_ratios(records: list[Record]) -> list[Record]:
     out = []
     for r in records:
         peers = by_key[r.key]
-        ceil = socket_by.get((r.op, r.value_bytes, r.batch)) if r.transport == "tcp" else peers.get("memcpy")
+        remote = r.transport.split("-")[0] in ("tcp", "ucx")
+        ceil = socket_by.get((r.op, r.value_bytes, r.batch)) if remote else peers.get("memcpy")
         ceiling = ceil.gbps if ceil is not None else 0.0
         metric = (lambda x: x.ops_per_s) if r.op == "exists" else (lambda x: x.gbps)
         mine = metric(r)
@@ -98,7 +99,7 @@ def attach_ratios(records: list[Record]) -> list[Record]:
 
 def run_throughput(addresses: list[str], profile: Profile, mem_budget: int, transports: tuple[str, ...] = ("tcp",),
                    peers: tuple[str, ...] = PEERS, ceilings: tuple[str, ...] = CEILINGS,
-                   progress: bool = True, say=print) -> list[Record]:
+                   progress: bool = True, say=print, procs: int = 1) -> list[Record]:
     """Measure every configuration of ``profile`` on every available system; returns records
     with ratios attached. Unavailable transports/peers are reported through ``say``."""
     from tqdm import tqdm
@@ -117,6 +118,10 @@ def run_throughput(addresses: list[str], profile: Profile, mem_budget: int, tran
                 say(f"skipping gcache over {name}: {t.reason}")
             else:
                 systems.append(t)
+                if procs > 1 and name in ("tcp", "local"):  # the same client in N processes at once
+                    from gcache.bench.procs import GcacheProcs
+
+                    systems.append(GcacheProcs(name, procs, addresses, mem_budget))
         for name in peers:
             if name:
                 p = make_peer(name, mem_budget)
@@ -212,8 +217,10 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         addresses, mem_budget = [a for a in args.nodes.split(",") if a], 1 << 30
     try:
+        if args.procs < 1:
+            raise SystemExit("gcache bench throughput: --procs must be >= 1")
         records = run_throughput(addresses, profile, mem_budget, transports, _list(args.peers),
-                                 _list(args.ceilings), progress=not args.no_progress)
+                                 _list(args.ceilings), progress=not args.no_progress, procs=args.procs)
     finally:
         if cluster is not None:
             stop_cluster_fast(cluster)

@@ -65,3 +65,17 @@ def test_hitrate_on_a_200_request_slice(tmp_path):
     assert "trace maximum hit rate" in out
     for png in ("hitrate_vs_capacity.png", "hitrate_over_time.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_client_processes_add_up(tmp_path):
+    gcache("bench", "throughput", "--nodes", "2", "--mem", "96MiB", "--sizes", "64KiB", "--threads", "1",
+           "--procs", "2", "--ops", "put,get", "--seconds", "0.2", "--transport", "tcp", "--peers", "none",
+           "--no-plots", "--no-progress", "--out", str(tmp_path))
+    recs = json.loads((tmp_path / "throughput.json").read_text())["records"]
+    multi = {r["op"]: r for r in recs if r["system"] == "gcache" and r["transport"] == "tcp-2p"}
+    single = {r["op"]: r for r in recs if r["system"] == "gcache" and r["transport"] == "tcp"}
+    assert set(multi) == set(single) == {"put", "get"}
+    for op, r in multi.items():
+        assert r["gbps"] > 0 and r["ceiling_gbps"] > 0 and "gcache" in r["ratios"]
+        # two processes' latencies are pooled: at least as many batches as one process timed
+        assert len(r["latencies_ms"]) >= 2
