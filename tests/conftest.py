@@ -25,3 +25,20 @@ def make_cluster(tmp_path):
 @pytest.fixture
 def cluster(make_cluster):
     return make_cluster()
+
+
+def sigstop(pid, timeout=5.0):
+    """SIGSTOP ``pid`` and wait until the kernel reports it stopped (delivery is asynchronous:
+    a process can still run for a moment after kill() returns)."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout}s")

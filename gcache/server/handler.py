@@ -226,23 +226,36 @@ class Handler:
             consumed += size
         return {"st": status}, consumed
 
-    def _get(self, req_id: int, meta: dict[str, Any]) -> int:
-        """Answer a GET; returns the payload bytes sent."""
-        ns, keys = self._ns_keys(meta)
-        hits: list[Hit] = []
+    def _acquire_keys(self, ns: str, keys: list) -> tuple[list[Hit | None], list[int], list[int]]:
+        """Pin each key's value: (the Hit or None, the Status, the size) per key. On an error
+        midway, what was pinned is released before the error propagates."""
+        got: list[Hit | None] = []
         status: list[int] = []
         sizes: list[int] = []
         try:
             for key in keys:
                 refused = self._key_status(ns, key)
                 hit = None if refused is not None else self.store.acquire((ns, key))
+                got.append(hit)
                 if hit is None:
                     status.append(int(refused if refused is not None else Status.NOT_FOUND))
                     sizes.append(0)
                 else:
-                    hits.append(hit)
                     status.append(int(Status.OK))
                     sizes.append(len(hit.view))
+        except BaseException:
+            for hit in got:
+                if hit is not None:
+                    self.store.release(hit)
+            raise
+        return got, status, sizes
+
+    def _get(self, req_id: int, meta: dict[str, Any]) -> int:
+        """Answer a GET; returns the payload bytes sent."""
+        ns, keys = self._ns_keys(meta)
+        got, status, sizes = self._acquire_keys(ns, keys)
+        hits = [h for h in got if h is not None]
+        try:
             self._reply(Op.GET, req_id, {"st": status, "sz": sizes}, 0, [h.view for h in hits])
             return sum(sizes)
         finally:

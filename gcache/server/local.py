@@ -105,25 +105,10 @@ class LocalHandler(Handler):
 
     def _lget(self, req_id: int, meta: dict[str, Any]) -> None:
         ns, keys = self._ns_keys(meta)
-        hits: list[Hit] = []
-        inline: list[Hit] = []
-        status, sizes, offs = [], [], []
-        for key in keys:
-            refused = self._key_status(ns, key)
-            hit = None if refused is not None else self.store.acquire((ns, key))
-            if hit is None:
-                status.append(int(refused if refused is not None else Status.NOT_FOUND))
-                sizes.append(0)
-                offs.append(-1)
-                continue
-            status.append(int(Status.OK))
-            sizes.append(len(hit.view))
-            if hit.entry is not None:
-                hits.append(hit)
-                offs.append(hit.entry.off)
-            else:
-                inline.append(hit)
-                offs.append(-1)
+        got, status, sizes = self._acquire_keys(ns, keys)
+        hits = [h for h in got if h is not None and h.entry is not None]  # in the arena: leased
+        inline = [h for h in got if h is not None and h.entry is None]  # a private copy: sent
+        offs = [h.entry.off if h is not None and h.entry is not None else -1 for h in got]
         deadline = time.monotonic() + self.lease_s
         lid = self._new_lease(_Lease(deadline, hits=hits)) if hits else 0
         # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
