@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from gcache.bench.records import HitRateRecord, write_json
-from gcache.bench.targets import stop_cluster_fast
 from gcache.bench.trace import (
     BLOCK_TOKENS,
     HitAccounting,
@@ -149,7 +148,7 @@ def run_one(requests: list[TraceRequest], cfg: ReplayConfig, nodes: int, page_by
         finally:
             cache.close()
     finally:
-        stop_cluster_fast(cluster)
+        cluster.stop()
     return HitRateRecord(per_node * nodes, disk_per_node * nodes, nodes, page_bytes, acc.requests,
                          acc.input_tokens, acc.hit_tokens, acc.hit_rate, max_rate,
                          acc.hit_rate / max_rate if max_rate else 0.0, time.perf_counter() - t0,

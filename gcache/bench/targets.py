@@ -55,16 +55,6 @@ class Buffers:
         return [arr[j * self.size:(j + 1) * self.size] for j in range(self.batch)]
 
 
-def stop_cluster_fast(cluster) -> None:
-    """Stop a bench's LocalCluster: its daemons hold nothing worth a graceful stop, and one
-    currently takes ~5 s a daemon (DataServer.stop waits on its accept thread), so SIGKILL."""
-    import signal
-
-    for i in range(len(cluster.daemons)):
-        cluster.kill(i, signal.SIGKILL)
-    cluster.stop()
-
-
 def keys_per_thread(mem_budget: int, size: int, batch: int, threads: int) -> int:
     """How many distinct batches each thread cycles through: up to 8, within half the budget."""
     return max(1, min(8, mem_budget // (2 * threads * batch * size)))

@@ -23,7 +23,6 @@ from gcache.bench.targets import (
     Target,
     Unavailable,
     gcache_transport,
-    stop_cluster_fast,
 )
 from gcache.cluster import LocalCluster
 from gcache.sizes import format_size, parse_size
@@ -223,7 +222,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                  _list(args.ceilings), progress=not args.no_progress, procs=args.procs)
     finally:
         if cluster is not None:
-            stop_cluster_fast(cluster)
+            cluster.stop()
     print(format_table(records))
     out_dir = args.out or (os.path.dirname(os.path.abspath(args.json)) if args.json else "bench/results")
     json_path = args.json or os.path.join(out_dir, "throughput.json")
