@@ -43,8 +43,8 @@ from gcache.client import Client
 from gcache.client.client import OnNodeError
 from gcache.protocol import Status
 from sglang_adapter.config import AdapterConfig
-from sglang_adapter.keys import KeyScheme
-from sglang_adapter.pages import page_bytes, page_views
+from sglang_adapter.keys import KeyScheme, page_format
+from sglang_adapter.pages import page_bytes, page_views, pool_format
 from sglang_adapter.window import PoolCheck, leading, window_safe
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class GCacheStorage(HiCacheStorage):
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._page_gb: dict[str, float] = {}
+        self._formats: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, its page format)
 
     def __repr__(self) -> str:
         return f"GCacheStorage(ns={self.config.namespace!r}, pools={sorted(self.registered_pools)})"
@@ -96,6 +97,15 @@ class GCacheStorage(HiCacheStorage):
             raise KeyError(f"host pool {name!r} is not registered")
         return pool
 
+    def page_keys(self, page_hashes: list[str], name: str) -> list[bytes]:
+        """gcache keys of pages of the registered host pool ``name``: shard and byte format
+        included, so a pool of another layout, dtype or page size never reads these pages."""
+        pool = self._pool(name)
+        cached = self._formats.get(name)
+        if cached is None or cached[0] is not pool:
+            cached = self._formats[name] = (pool, pool_format(pool))
+        return self.scheme.keys(list(page_hashes), name, cached[1])
+
     def _tag(self, name: str) -> str:
         """The daemon pool a host pool's pages go to."""
         return name if self.config.dual_pools else KV
@@ -111,7 +121,7 @@ class GCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
-            return leading(self.client.exists(self.scheme.keys(list(keys), KV)))
+            return leading(self.client.exists(self.page_keys(keys, KV)))
         except Exception:
             log.exception("gcache batch_exists failed")
             return 0
@@ -125,9 +135,9 @@ class GCacheStorage(HiCacheStorage):
         try:
             keys = list(keys)
             transfers = list(pool_transfers or [])
-            query = self.scheme.keys(keys, KV)
+            query = self.page_keys(keys, KV)
             for t in transfers:
-                query += self.scheme.keys(keys, _name(t.name))
+                query += self.page_keys(keys, _name(t.name))
             ex = self.client.exists(query)  # one round: every owner asked at once
             n = len(keys)
             checks = [
@@ -172,7 +182,7 @@ class GCacheStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pool, views = self._views(name, keys, host_indices)
-            res = self.client.get_into(self.scheme.keys(list(keys), name), views)
+            res = self.client.get_into(self.page_keys(keys, name), views)
             ok = [st is Status.OK and sz == sum(map(len, v)) for st, sz, v in zip(res.status, res.sizes, views)]
             self._record("prefetch", name, pool, sum(ok), time.perf_counter() - t0)
             return ok
@@ -187,7 +197,7 @@ class GCacheStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pool, views = self._views(name, keys, host_indices)
-            gkeys = self.scheme.keys(list(keys), name)
+            gkeys = self.page_keys(keys, name)
             n = len(keys)
             tail = [1] * n if trailing else None
             have = [False] * n
@@ -197,7 +207,7 @@ class GCacheStorage(HiCacheStorage):
                     # the window this one supersedes becomes interior (restore points stay ahead)
                     current = set(keys)
                     old = [h for h in prefix[-n:] if h not in current]
-                    probe += self.scheme.keys(old, name)
+                    probe += self.page_keys(old, name)
                     marks += [0] * len(old)
                 found = self.client.exists(probe, tail=marks if trailing else None)
                 have = found[:n] if self.config.skip_existing else have
@@ -222,7 +232,8 @@ class GCacheStorage(HiCacheStorage):
         try:
             if target_locations is None or any(t is None for t in target_locations):
                 return [None] * len(keys)
-            res = self.client.get_into(self.scheme.keys(list(keys), KV), list(target_locations))
+            gkeys = [self._tensor_key(k, t) for k, t in zip(keys, target_locations)]
+            res = self.client.get_into(gkeys, list(target_locations))
             return [t if st is Status.OK else None for t, st in zip(target_locations, res.status)]
         except Exception:
             log.exception("gcache batch_get failed")
@@ -235,11 +246,17 @@ class GCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         try:
             vals = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-            st = self.client.put(self.scheme.keys(list(keys), KV), vals, pool=self._tag(KV))
+            st = self.client.put([self._tensor_key(k, v) for k, v in zip(keys, vals)], vals, pool=self._tag(KV))
             return all(s is Status.OK for s in st)
         except Exception:
             log.exception("gcache batch_set failed")
             return False
+
+    def _tensor_key(self, page_hash: str, tensor: Any) -> bytes:
+        """Key of a whole-tensor value of the legacy path: its dtype and shape are its format."""
+        shape = list(getattr(tensor, "shape", ())) or [len(memoryview(tensor).cast("B"))]
+        fmt = page_format(type(tensor).__name__, "tensor", str(getattr(tensor, "dtype", "bytes")), 0, shape)
+        return self.scheme.key(page_hash, KV, fmt)
 
     def clear(self) -> bool:
         log.warning("gcache storage: clear() is not supported (entries age out by eviction)")

@@ -1,16 +1,35 @@
 """gcache key naming for SGLang pages (pure).
 
 SGLang page keys are chained SHA-256 hex digests of the page tokens. A stored object is one
-page of one host pool on one shard: ``{page_hash}.{pool}@{shard}``. The shard names the model,
-the TP rank and size (MLA models keep one copy shared by every rank, so their KV shard omits
-the rank), the pipeline stage and the context-parallel rank, so no two writers of different
-bytes share a key.
+page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{shard}#{format}``.
+
+* The shard names the model, the TP rank and size (MLA models keep one copy shared by every
+  rank, so their KV shard omits the rank), the pipeline stage and the context-parallel rank.
+* The format (``page_format``) is a digest of everything that decides how a page's bytes are
+  laid out: the key format version, the host pool's class, its layout (page_first,
+  page_first_direct, layer_first), dtype, tokens per page and the byte size of each buffer a
+  page is made of. Two deployments that differ in any of these never share a key, so a reader
+  gets a miss, never another layout's bytes.
+
+Together: no two writers of different bytes share a key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
+
+#: Bump when the meaning of a stored page's bytes changes: older pages then become misses.
+FORMAT_VERSION = 1
+
+
+def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int]) -> str:
+    """A short digest naming the byte format of one page (see the module docstring)."""
+    desc = f"v{FORMAT_VERSION}|{pool_class}|{layout}|{dtype}|{page_size}|{','.join(map(str, buffer_sizes))}"
+    return xxhash.xxh3_64_hexdigest(desc.encode())
 
 
 @dataclass(frozen=True)
@@ -45,9 +64,10 @@ class KeyScheme:
             s += f"_cp{self.cp_rank}of{self.cp_size}"
         return s
 
-    def key(self, page_hash: str, pool: str) -> bytes:
-        return f"{page_hash}.{pool}@{self.shard(pool)}".encode()
+    def key(self, page_hash: str, pool: str, fmt: str = "") -> bytes:
+        return self.keys([page_hash], pool, fmt)[0]
 
-    def keys(self, page_hashes: list[str], pool: str) -> list[bytes]:
-        suffix = f".{pool}@{self.shard(pool)}"
+    def keys(self, page_hashes: list[str], pool: str, fmt: str = "") -> list[bytes]:
+        """``fmt``: the page format (page_format) of the host pool the pages live in."""
+        suffix = f".{pool}@{self.shard(pool)}" + (f"#{fmt}" if fmt else "")
         return [(h + suffix).encode() for h in page_hashes]

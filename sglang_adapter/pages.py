@@ -37,3 +37,16 @@ def page_bytes(host_pool: Any) -> int:
     idx = torch.arange(0, host_pool.page_size, dtype=torch.int64)
     _, sizes = host_pool.get_page_buffer_meta(idx)
     return int(sum(sizes))
+
+
+def pool_format(host_pool: Any) -> str:
+    """The byte format of ``host_pool``'s pages (keys.page_format): class, layout, dtype, page
+    size and the size of every buffer one page is made of."""
+    import torch
+
+    from sglang_adapter.keys import page_format
+
+    page_size = int(getattr(host_pool, "page_size", 1) or 1)
+    _, sizes = host_pool.get_page_buffer_meta(torch.arange(0, page_size, dtype=torch.int64))
+    return page_format(type(host_pool).__name__, str(getattr(host_pool, "layout", "")),
+                       str(getattr(host_pool, "dtype", "")), page_size, [int(s) for s in sizes])

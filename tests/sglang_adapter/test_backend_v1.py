@@ -107,7 +107,7 @@ def test_dead_daemon_means_misses_not_exceptions_or_hangs(make_cluster):
     keys = [f"d{i}" for i in range(16)]
     idx = torch.arange(0, 64)
     assert s.batch_set_v1(keys, idx) == [True] * 16
-    owners = s.client.owners(s.scheme.keys(keys, "kv"))
+    owners = s.client.owners(s.page_keys(keys, "kv"))
     assert len(set(owners)) == 2
     dead = {adapter_cluster.daemons[0].node_id, adapter_cluster.daemons[0].address}
     adapter_cluster.kill(0)
@@ -118,4 +118,67 @@ def test_dead_daemon_means_misses_not_exceptions_or_hangs(make_cluster):
     res = s.batch_set_v1([k + "x" for k in keys], idx)
     assert not all(res) and any(res)
     assert time.monotonic() - t0 < 5.0
+    s.close()
+
+
+# -- self-describing pages: a page is only ever read back in the format it was written in -----------
+@pytest.mark.parametrize("writer,reader", [("page_first", "layer_first"), ("page_first", "page_first_direct"),
+                                           ("page_first_direct", "layer_first")])
+def test_a_page_written_in_one_layout_is_a_miss_in_another(adapter_cluster, writer, reader):
+    import torch
+
+    src, dst = mha_host_pool(writer), mha_host_pool(reader)
+    fill_random(src, seed=11)
+    w, r = make_storage(adapter_cluster.addresses), make_storage(adapter_cluster.addresses)
+    w.register_mem_pool_host(src)
+    r.register_mem_pool_host(dst)
+    keys = [f"lay-{writer}-{reader}-{i}" for i in range(3)]
+    idx = torch.arange(4, 16)
+    before = page_bytes_at(dst, idx)
+    assert w.batch_set_v1(keys, idx) == [True] * 3
+    assert r.batch_exists(keys) == 0
+    assert r.batch_get_v1(keys, idx) == [False] * 3
+    assert page_bytes_at(dst, idx) == before  # nothing was written into the reader's pool
+    assert w.batch_exists(keys) == 3  # the writer's own format still hits
+    w.close()
+    r.close()
+
+
+def test_dtype_and_page_size_are_part_of_a_pages_identity(adapter_cluster):
+    import torch
+
+    bf16, fp32 = mha_host_pool(dtype=torch.bfloat16), mha_host_pool(dtype=torch.float32)
+    fill_random(bf16, seed=12)
+    fill_random(fp32, seed=13)
+    a, b = make_storage(adapter_cluster.addresses), make_storage(adapter_cluster.addresses)
+    a.register_mem_pool_host(bf16)
+    b.register_mem_pool_host(fp32)
+    keys = [f"dt-{i}" for i in range(3)]
+    idx = torch.arange(0, 12)
+    assert a.batch_set_v1(keys, idx) == [True] * 3
+    assert b.batch_exists(keys) == 0  # the bf16 pages are not fp32 pages
+    assert b.batch_set_v1(keys, idx) == [True] * 3  # really stored, not skipped as "existing"
+    assert b.batch_exists(keys) == 3
+    out = mha_host_pool(dtype=torch.float32)
+    c = make_storage(adapter_cluster.addresses)
+    c.register_mem_pool_host(out)
+    assert c.batch_get_v1(keys, idx) == [True] * 3
+    assert page_bytes_at(out, idx) == page_bytes_at(fp32, idx)
+    other_page = make_storage(adapter_cluster.addresses)
+    other_page.register_mem_pool_host(mha_host_pool(page=8))
+    assert other_page.batch_exists(keys) == 0
+    for s in (a, b, c, other_page):
+        s.close()
+
+
+def test_legacy_tensor_path_keys_carry_dtype_and_shape(adapter_cluster):
+    import torch
+
+    s = make_storage(adapter_cluster.addresses)
+    val = torch.rand(4, 8, dtype=torch.float32)
+    assert s.batch_set(["leg-0"], [val]) is True
+    same = torch.zeros(4, 8, dtype=torch.float32)
+    assert s.batch_get(["leg-0"], [same])[0] is same and torch.equal(same, val)
+    half = torch.zeros(8, 8, dtype=torch.bfloat16)  # same byte size, other dtype and shape
+    assert s.batch_get(["leg-0"], [half]) == [None] and not half.any()
     s.close()

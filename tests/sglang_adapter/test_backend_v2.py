@@ -116,7 +116,7 @@ def test_missing_swa_page_inside_the_window_shortens_the_hit(make_cluster):
     tokens = list(range(5000, 5000 + 6 * PAGE))
     first = _backup(w, tokens[:3 * PAGE], [], torch_.arange(0, 3 * PAGE), torch_.arange(16, 24))
     second = _backup(w, tokens[3 * PAGE:], first, torch_.arange(3 * PAGE, 6 * PAGE), torch_.arange(40, 48))
-    w.storage.client.delete(w.storage.scheme.keys([second[-1]], "swa"))  # a page inside the last window
+    w.storage.client.delete(w.storage.page_keys([second[-1]], "swa"))  # a page inside the last window
     r = _controller(cluster.addresses, seed=9)
     op, hit_tokens, _ = _prefetch(r, tokens, torch_.arange(64, 88), torch_.arange(96, 104))
     assert op.pool_storage_result.restorable_prefix_pages == [3]

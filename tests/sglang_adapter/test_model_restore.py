@@ -106,7 +106,7 @@ def _run(cluster_nodes, drop_swa_page):
                          hit_policy=PoolHitPolicy.TRAILING_PAGES)
     assert w.batch_set_v2([swa_t], HiCacheStorageExtraInfo(prefix_keys=hashes[:-win])) == {"swa": [True] * win}
     if drop_swa_page:
-        w.client.delete(w.scheme.keys([hashes[-1]], "swa"))
+        w.client.delete(w.page_keys([hashes[-1]], "swa"))
 
     # restore into fresh pools and a fresh KV state
     kv_pool2, swa_pool2 = pools()

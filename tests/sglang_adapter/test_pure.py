@@ -9,7 +9,7 @@ from gcache.protocol import Status
 from gcache.tier.pools import PoolBudget, PoolBudgets, parse_pool_meta
 from gcache.tier.store import Store, StoreConfig
 from sglang_adapter.config import AdapterConfig
-from sglang_adapter.keys import KeyScheme
+from sglang_adapter.keys import KeyScheme, page_format
 from sglang_adapter.window import PoolCheck, window_safe
 
 T, F = True, False
@@ -46,6 +46,18 @@ def test_keys_name_rank_pool_and_share_mla_kv():
     mla0, mla1 = KeyScheme("m", 0, 2, is_mla=True), KeyScheme("m", 1, 2, is_mla=True)
     assert mla0.key("ab", "kv") == mla1.key("ab", "kv") == b"ab.kv@m"
     assert mla0.key("ab", "mamba") != mla1.key("ab", "mamba")
+
+
+def test_page_format_names_every_property_of_the_bytes():
+    base = ("MHATokenToKVPoolHost", "page_first", "torch.bfloat16", 64, [4096, 4096])
+    variants = [("AsymmetricMHATokenToKVPoolHost",) + base[1:], base[:1] + ("layer_first",) + base[2:],
+                base[:2] + ("torch.float32",) + base[3:], base[:3] + (32,) + base[4:], base[:4] + ([8192],)]
+    fmts = {page_format(*v) for v in variants}
+    assert page_format(*base) not in fmts and len(fmts) == len(variants)
+    assert page_format(*base) == page_format(*base)  # stable: every writer and reader agrees
+    s = KeyScheme("m")
+    assert s.key("ab", "kv", page_format(*base)) != s.key("ab", "kv", page_format(*variants[1]))
+    assert s.key("ab", "kv", "f00d") == b"ab.kv@m_tp0of1#f00d"
 
 
 def test_adapter_config_validates(monkeypatch):
