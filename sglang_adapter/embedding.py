@@ -1,0 +1,273 @@
+"""gcache as SGLang's multimodal global embedding store (EPD encoders, ``--enable-mm-global-cache``).
+
+``GCacheEmbeddingStore`` implements ``sglang.srt.mem_cache.embedding_store.EmbeddingStore`` for
+the ``EmbeddingCacheController``. Turn it on with ``python -m sglang_adapter.launch ...
+--enable-mm-global-cache --mm-global-cache-backend gcache`` (see launch.py, docs/sglang.md).
+
+* Zero-copy: the controller hands raw pointers into its host pool, one per page run of an
+  embedding; each embedding is one gcache value sent (put) or received (get) scatter-gather
+  straight from / into those runs, and a whole batch is one gcache batch (all owners at once).
+  Encoders on the same host as the owning daemon copy through its shared-memory arena (no TCP).
+* Self-describing keys (emb_config.py): the controller registers its pools with
+  ``register_buffer``; the pool a pointer falls in gives the modality, dtype and hidden size,
+  which go into the key with the model name and the format version. A pointer outside every
+  registered pool is refused (a miss), never guessed. A stored value whose size is not what the
+  reader expects is a miss too.
+* Failure: every batch call answers per-embedding False on any error, never raises; the client
+  runs with OnNodeError.MISS, so a dead daemon is a miss within ``timeout_s``.
+* Budget: puts are tagged with the daemon pool ``emb`` (``gcache daemon --pool-budget emb=...``).
+* ``metrics()``: counters since start (keys, hits, bytes, seconds per operation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sglang.srt.mem_cache.embedding_store import EmbeddingStore
+
+from gcache.client import Client
+from gcache.client.client import OnNodeError
+from gcache.protocol import Status
+from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys
+
+log = logging.getLogger(__name__)
+_DEFAULT_MODALITIES = ("vision", "audio")  # the order EmbeddingCacheController registers its pools in
+
+
+def _view(ptr: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+
+
+def _sglang_model() -> str:
+    """The served model name (else the model path) SGLang published in this process, or ""."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None)
+        return name if isinstance(name, str) else ""
+    except Exception:  # noqa: BLE001  (not inside a published SGLang process)
+        return ""
+
+
+def _pool_modality(tensor: Any) -> str | None:
+    """The ``modality`` of the EmbeddingPool whose tensor the caller is registering, found in the
+    registering frames (EmbeddingCacheController._register_pool_buffer holds it as ``pool``)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        for value in frame.f_locals.values():
+            modality = getattr(value, "modality", None)
+            if isinstance(modality, str) and getattr(value, "tensor", None) is tensor:
+                return modality
+        frame = frame.f_back
+    return None
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A registered host pool: [base, end) bytes of rows in ``fmt``."""
+
+    base: int
+    end: int
+    fmt: EmbeddingFormat
+    row_bytes: int
+
+
+@dataclass
+class EmbeddingStoreMetrics:
+    gets: int = 0
+    get_hits: int = 0
+    get_bytes: int = 0
+    get_s: float = 0.0
+    puts: int = 0
+    put_stored: int = 0
+    put_skipped: int = 0  # already stored (content-addressed: same bytes)
+    put_bytes: int = 0
+    put_s: float = 0.0
+    exists: int = 0
+    exist_hits: int = 0
+    unregistered: int = 0  # buffers outside every registered pool: refused
+    errors: int = 0  # batch calls that failed as a whole (answered as misses)
+
+
+class GCacheEmbeddingStore(EmbeddingStore):
+    def __init__(self, storage_config: Mapping[str, Any] | str | None = None, **_: Any) -> None:
+        self.config = EmbeddingStoreConfig.load(storage_config, default_model=_sglang_model())
+        c = self.config
+        self.client = Client(list(c.nodes), namespace=c.namespace, timeout_s=c.timeout_s,
+                             connect_timeout_s=c.connect_timeout_s, on_node_error=OnNodeError.MISS, local=c.local)
+        self._regions: list[_Region] = []
+        self._lock = threading.Lock()
+        self._m = EmbeddingStoreMetrics()
+
+    def __repr__(self) -> str:
+        fmts = [f"{r.fmt.modality}:{r.fmt.dtype}x{r.fmt.hidden}" for r in self._regions]
+        return f"GCacheEmbeddingStore(model={self.config.model!r}, ns={self.config.namespace!r}, pools={fmts})"
+
+    # -- registration -------------------------------------------------------------------------
+    def register_buffer(self, tensor: Any, modality: str | None = None) -> None:
+        """Register a host pool: a (tokens, hidden) CPU tensor. ``modality`` defaults to the
+        registering EmbeddingPool's, else to the controller's order (vision, then audio)."""
+        if tensor.dim() != 2 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"embedding pool must be a contiguous 2-D CPU tensor, got {tuple(tensor.shape)} "
+                             f"on {tensor.device}")
+        if tensor.numel() == 0:
+            return
+        modality = modality or _pool_modality(tensor)
+        if modality is None:
+            n = len(self._regions)
+            modality = _DEFAULT_MODALITIES[n] if n < len(_DEFAULT_MODALITIES) else f"pool{n}"
+        fmt = EmbeddingFormat(modality, str(tensor.dtype).removeprefix("torch."), int(tensor.shape[1]))
+        base = int(tensor.data_ptr())
+        region = _Region(base, base + tensor.numel() * tensor.element_size(), fmt,
+                         int(tensor.shape[1]) * tensor.element_size())
+        with self._lock:
+            self._regions = [r for r in self._regions if r.end <= region.base or r.base >= region.end] + [region]
+        log.info("gcache embedding store: registered %s pool %s x %s (%d MiB)", modality, fmt.dtype, fmt.hidden,
+                 (region.end - region.base) >> 20)
+
+    def get_key(self, mm_hash: str) -> str:
+        """The key ``mm_hash`` has under the first registered pool's format."""
+        regions = self._regions
+        if not regions:
+            return super().get_key(mm_hash)
+        return embedding_keys([mm_hash], self.config.model, regions[0].fmt)[0].decode()
+
+    def _region_of(self, ptrs: Sequence[int], sizes: Sequence[int]) -> _Region | None:
+        """The registered pool holding every run of one embedding, or None."""
+        if not ptrs or len(ptrs) != len(sizes):
+            return None
+        p0 = int(ptrs[0])
+        for r in self._regions:
+            if r.base <= p0 < r.end:
+                if all(r.base <= int(p) and int(p) + int(s) <= r.end and int(s) >= 0 for p, s in zip(ptrs, sizes)) \
+                        and sum(int(s) for s in sizes) % r.row_bytes == 0:
+                    return r
+                return None
+        return None
+
+    def _plan(self, hashes: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+              ) -> tuple[list[int], list[bytes], list[list[memoryview]], list[int]]:
+        """Indices of the embeddings that can move, their keys, views over their page runs and
+        their byte sizes; embeddings outside every registered pool are left out (counted)."""
+        if not len(hashes) == len(ptrs) == len(sizes):
+            raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} pointer lists, {len(sizes)} size lists")
+        idx: list[int] = []
+        keys: list[bytes] = []
+        views: list[list[memoryview]] = []
+        nbytes: list[int] = []
+        refused = 0
+        for i, (h, p, s) in enumerate(zip(hashes, ptrs, sizes)):
+            region = self._region_of(p, s)
+            if region is None or not isinstance(h, str) or not h:
+                refused += 1
+                continue
+            idx.append(i)
+            keys.append(embedding_keys([h], self.config.model, region.fmt)[0])
+            views.append([_view(int(a), int(b)) for a, b in zip(p, s)])
+            nbytes.append(sum(int(b) for b in s))
+        if refused:
+            with self._lock:
+                first = self._m.unregistered == 0
+                self._m.unregistered += refused
+            if first:
+                log.warning("gcache embedding store: %d embedding(s) not in a registered pool (or without a hash): "
+                            "refused as misses; register the pool with register_buffer", refused)
+        return idx, keys, views, nbytes
+
+    # -- the interface the controller uses ---------------------------------------------------------
+    def batch_get_into_multi_buffers(self, hashes: list[str], ptrs: list[list[int]],
+                                     sizes: list[list[int]]) -> list[bool]:
+        ok = [False] * len(hashes)
+        t0 = time.perf_counter()
+        try:
+            idx, keys, views, nbytes = self._plan(hashes, ptrs, sizes)
+            if idx:
+                res = self.client.get_into(keys, views)
+                for j, i in enumerate(idx):
+                    ok[i] = res.status[j] is Status.OK and res.sizes[j] == nbytes[j]
+            got = sum(nbytes[j] for j, i in enumerate(idx) if ok[i])
+        except Exception:
+            log.exception("gcache embedding get of %d embeddings failed", len(hashes))
+            return self._failed(len(hashes))
+        with self._lock:
+            self._m.gets += len(hashes)
+            self._m.get_hits += sum(ok)
+            self._m.get_bytes += got
+            self._m.get_s += time.perf_counter() - t0
+        return ok
+
+    def batch_put_from_multi_buffers(self, hashes: list[str], ptrs: list[list[int]],
+                                     sizes: list[list[int]]) -> list[bool]:
+        ok = [False] * len(hashes)
+        t0 = time.perf_counter()
+        try:
+            idx, keys, views, nbytes = self._plan(hashes, ptrs, sizes)
+            have = self.client.exists(keys) if idx and self.config.skip_existing else [False] * len(idx)
+            todo = [j for j in range(len(idx)) if not have[j]]
+            for j in range(len(idx)):
+                ok[idx[j]] = have[j]
+            if todo:
+                st = self.client.put([keys[j] for j in todo], [views[j] for j in todo], pool=self.config.pool)
+                for j, s in zip(todo, st):
+                    ok[idx[j]] = s is Status.OK
+            stored = [j for j in todo if ok[idx[j]]]
+        except Exception:
+            log.exception("gcache embedding put of %d embeddings failed", len(hashes))
+            return self._failed(len(hashes))
+        with self._lock:
+            self._m.puts += len(hashes)
+            self._m.put_stored += len(stored)
+            self._m.put_skipped += sum(have)
+            self._m.put_bytes += sum(nbytes[j] for j in stored)
+            self._m.put_s += time.perf_counter() - t0
+        return ok
+
+    def batch_is_exist(self, hashes: list[str]) -> list[bool]:
+        """Whether each embedding is stored in the format of any registered pool (the controller
+        does not say which modality it asks about; a prefetch into another pool is then a miss)."""
+        n = len(hashes)
+        try:
+            fmts = list(dict.fromkeys(r.fmt for r in self._regions))
+            if not n or not fmts:
+                return [False] * n
+            keys = [k for f in fmts for k in embedding_keys(list(hashes), self.config.model, f)]
+            ex = self.client.exists(keys)
+            out = [any(ex[j * n + i] for j in range(len(fmts))) for i in range(n)]
+        except Exception:
+            log.exception("gcache embedding exists of %d embeddings failed", n)
+            return self._failed(n)
+        with self._lock:
+            self._m.exists += n
+            self._m.exist_hits += sum(out)
+        return out
+
+    # -- single-buffer forms (one contiguous buffer per embedding) ------------------------------
+    def batch_get(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        return self.batch_get_into_multi_buffers(hashes, [[p] for p in ptrs], [[s] for s in sizes])
+
+    def batch_put(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        return self.batch_put_from_multi_buffers(hashes, [[p] for p in ptrs], [[s] for s in sizes])
+
+    # -- metrics and lifetime -----------------------------------------------------------------------
+    def _failed(self, n: int) -> list[bool]:
+        with self._lock:
+            self._m.errors += 1
+        return [False] * n
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since start: keys, hits, bytes and seconds of gets, puts and exists."""
+        with self._lock:
+            return {f.name: getattr(self._m, f.name) for f in fields(self._m)}
+
+    def close(self) -> None:
+        self.client.close()
