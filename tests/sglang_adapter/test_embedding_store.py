@@ -1,0 +1,225 @@
+"""gcache as SGLang's multimodal global embedding store, driven by the real EmbeddingCacheController.
+
+The controller is sglang 0.5.23's own (constructed on CPU by emb_shim: single-rank parallel state,
+unpinned pools; staging stands in for the GPU→host copy). The daemons are real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.sglang_adapter.conftest import HAVE_SGLANG
+
+pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang 0.5.23 / torch not installed: make sglang-deps")
+
+HIDDEN, TOKENS = 1024, 300  # bf16: 128 tokens a 256 KiB page, 3 pages (600 KiB) an embedding
+EMB_ARGS = ["--no-pretouch", "--pool-budget", "emb=24MiB"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_prefetch(ctrl, req_id, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not ctrl.check_prefetch_progress(req_id):
+        assert time.monotonic() < deadline, f"prefetch {req_id} not finished within {timeout}s"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def emb(sgl, make_cluster):
+    """(cluster, make): make(**store_config, hidden=, dtype=, pool_mib=) -> (store, controller);
+    all are stopped at teardown."""
+    import torch
+
+    from sglang_adapter.embedding import GCacheEmbeddingStore
+    from tests.sglang_adapter import emb_shim as S
+
+    cluster = make_cluster(nodes=1, mem="48MiB", extra_args=[*EMB_ARGS, "--metrics-port", "0"])
+    made = []
+
+    def make(hidden=HIDDEN, dtype=torch.bfloat16, pool_mib=4, **cfg):
+        store = GCacheEmbeddingStore({"nodes": cluster.addresses, "model": "test/vlm", "timeout_s": 1.0, **cfg})
+        ctrl = S.controller(store, hidden=hidden, dtype=dtype, pool_mib=pool_mib)
+        made.append((store, ctrl))
+        return store, ctrl
+
+    yield cluster, make
+    for store, ctrl in made:
+        S.stop(ctrl)
+        store.close()
+
+
+def test_insert_evict_locally_then_prefetch_from_gcache(emb):
+    from sglang.srt.managers.schedule_batch import Modality
+
+    from tests.sglang_adapter import emb_shim as S
+
+    _, make = emb
+    store, ctrl = make()
+    assert repr(store).endswith("pools=['vision:bfloat16x1024', 'audio:bfloat16x1024'])")
+    embs = {f"img{i}": S.embedding(i, TOKENS, HIDDEN) for i in range(8)}
+    names = list(embs)
+    # the vision pool holds 12 pages = 4 embeddings: stage and insert two rounds of 4
+    for batch in (names[:4], names[4:]):
+        assert S.stage(ctrl, batch, [embs[h] for h in batch]) == batch
+        ctrl.insert_batch(batch, Modality.IMAGE)
+        ctrl.insert_queue.join()
+    m = store.metrics()
+    assert (m["puts"], m["put_stored"], m["put_bytes"]) == (8, 8, 8 * TOKENS * HIDDEN * 2)
+    # the first four were evicted from the controller's own pool to make room for the rest
+    assert not any(ctrl.has_local_embedding(h) for h in names[:4])
+    assert ctrl.get_stats()["eviction_count"] >= 1
+    assert asyncio.run(ctrl.batch_is_exist([*names[:2], "never-seen"])) == [True, True, False]
+
+    ctrl.prefetch("r1", names[:2], [TOKENS, TOKENS], Modality.IMAGE)
+    wait_prefetch(ctrl, "r1")
+    for h in names[:2]:
+        assert ctrl.has_local_embedding(h)
+        assert S.pool_bytes(ctrl, h).equal(embs[h]), f"{h}: pool holds other bytes than were inserted"
+    m = store.metrics()
+    assert (m["gets"], m["get_hits"], m["errors"], m["unregistered"]) == (2, 2, 0, 0)
+
+    # inserting what gcache already holds sends nothing (content-addressed keys)
+    ctrl.insert_batch(names[:2], Modality.IMAGE)
+    ctrl.insert_queue.join()
+    assert store.metrics()["put_skipped"] == 2 and store.metrics()["put_stored"] == 8
+
+
+def test_a_reader_expecting_another_token_count_misses(emb):
+    from sglang.srt.managers.schedule_batch import Modality
+
+    from tests.sglang_adapter import emb_shim as S
+
+    _, make = emb
+    store, ctrl = make()
+    e = S.embedding(7, TOKENS, HIDDEN)
+    S.stage(ctrl, ["x"], [e])
+    ctrl.insert_batch(["x"], Modality.IMAGE)
+    ctrl.insert_queue.join()
+    _, reader = make()
+    for tokens in (TOKENS - 1, TOKENS + 1):  # value smaller / larger than the reader's buffers
+        reader.prefetch(f"t{tokens}", ["x"], [tokens], Modality.IMAGE)
+        wait_prefetch(reader, f"t{tokens}")
+        assert not reader.has_local_embedding("x")
+    reader.prefetch("ok", ["x"], [TOKENS], Modality.IMAGE)
+    wait_prefetch(reader, "ok")
+    assert S.pool_bytes(reader, "x").equal(e)
+
+
+def test_two_controllers_in_two_processes_share_through_local_shared_memory(emb):
+    from sglang.srt.managers.schedule_batch import Modality
+
+    from gcache.server.metrics import scrape
+    from tests.sglang_adapter import emb_shim as S
+
+    cluster, make = emb
+    n = 3
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    peer = subprocess.Popen([sys.executable, "-m", "tests.sglang_adapter.emb_peer", cluster.addresses[0], str(n),
+                             str(TOKENS), str(HIDDEN)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    store, ctrl = make()  # built while the peer starts
+    (stats,) = store.client.stats().values()
+    metrics_at = stats["metrics_address"]
+    before = scrape(metrics_at)
+    try:
+        out, err = peer.communicate(timeout=90)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+    assert peer.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    hashes = [f"peer-{i}" for i in range(n)]
+    assert report["staged"] == hashes and report["put_stored"] == n
+
+    assert asyncio.run(ctrl.batch_is_exist(hashes)) == [True] * n
+    ctrl.prefetch("from-peer", hashes, [TOKENS] * n, Modality.IMAGE)
+    wait_prefetch(ctrl, "from-peer")
+    for i, h in enumerate(hashes):
+        assert S.pool_bytes(ctrl, h).equal(S.embedding(1000 + i, TOKENS, HIDDEN))
+
+    # the daemon counted the gets and puts of both processes, and no payload byte crossed TCP:
+    # they went through its shared-memory arena
+    after = scrape(metrics_at)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta['gcache_request_keys_total{op="put"}'] >= n
+    assert delta['gcache_request_keys_total{op="get"}'] >= n
+    assert delta.get('gcache_bytes_total{direction="in"}', 0) == 0
+    assert delta.get('gcache_bytes_total{direction="out"}', 0) == 0
+    # the same get with the local path off does move the bytes over TCP (the metric can tell)
+    tcp_store, tcp_ctrl = make(local="off")
+    tcp_ctrl.prefetch("tcp", hashes[:1], [TOKENS], Modality.IMAGE)
+    wait_prefetch(tcp_ctrl, "tcp")
+    assert tcp_ctrl.has_local_embedding(hashes[0])
+    out_bytes = scrape(metrics_at).get('gcache_bytes_total{direction="out"}', 0) - after.get(
+        'gcache_bytes_total{direction="out"}', 0)
+    assert out_bytes == TOKENS * HIDDEN * 2
+
+
+def test_killed_daemon_is_a_miss_never_an_exception(emb):
+    from sglang.srt.managers.schedule_batch import Modality
+
+    from tests.sglang_adapter import emb_shim as S
+
+    cluster, make = emb
+    store, ctrl = make(timeout_s=0.5)
+    S.stage(ctrl, ["a", "b"], [S.embedding(1, TOKENS, HIDDEN), S.embedding(2, TOKENS, HIDDEN)])
+    ctrl.insert_batch(["a"], Modality.IMAGE)
+    ctrl.insert_queue.join()
+    assert store.metrics()["put_stored"] == 1
+    cluster.kill(0)
+
+    t0 = time.monotonic()
+    ctrl.insert_batch(["b"], Modality.IMAGE)
+    ctrl.insert_queue.join()
+    assert ctrl.has_local_embedding("b")  # a failed PUT keeps the local entry
+    assert store.batch_is_exist(["a", "gone"]) == [False, False]  # stored before the kill: now a miss
+    _, reader = make(timeout_s=0.5)
+    assert asyncio.run(reader.batch_is_exist(["a"])) == [False]
+    reader.prefetch("r", ["a"], [TOKENS], Modality.IMAGE)
+    wait_prefetch(reader, "r")
+    assert not reader.has_local_embedding("a")
+    assert time.monotonic() - t0 < 8.0
+    m = store.metrics()
+    assert m["put_stored"] == 1 and m["exist_hits"] == 0
+    assert ctrl.io_thread.is_alive() and reader.io_thread.is_alive()
+    # direct calls answer misses too
+    assert store.batch_get_into_multi_buffers(["a"], [[0]], [[1]]) == [False]
+
+
+def test_another_dtype_hidden_size_or_model_is_a_miss(emb):
+    import torch
+    from sglang.srt.managers.schedule_batch import Modality
+
+    from tests.sglang_adapter import emb_shim as S
+
+    _, make = emb
+    store, writer = make()
+    e = S.embedding(5, TOKENS, HIDDEN)
+    S.stage(writer, ["img"], [e])
+    writer.insert_batch(["img"], Modality.IMAGE)
+    writer.insert_queue.join()
+    assert store.metrics()["put_stored"] == 1
+
+    readers = {
+        "fp32": make(dtype=torch.float32, pool_mib=8)[1],
+        "hidden 512": make(hidden=512)[1],
+        "other model": make(model="test/other-vlm")[1],
+    }
+    for why, reader in readers.items():
+        assert asyncio.run(reader.batch_is_exist(["img"])) == [False], why
+        reader.prefetch(why, ["img"], [TOKENS], Modality.IMAGE)
+        wait_prefetch(reader, why)
+        assert not reader.has_local_embedding("img"), why
+    _, same = make()  # the positive control: same model, dtype and hidden size
+    assert asyncio.run(same.batch_is_exist(["img"])) == [True]
+    same.prefetch("same", ["img"], [TOKENS], Modality.IMAGE)
+    wait_prefetch(same, "same")
+    assert S.pool_bytes(same, "img").equal(e)
