@@ -97,7 +97,7 @@ def test_a_reader_expecting_another_token_count_misses(emb):
     from tests.sglang_adapter import emb_shim as S
 
     _, make = emb
-    store, ctrl = make()
+    _, ctrl = make()
     e = S.embedding(7, TOKENS, HIDDEN)
     S.stage(ctrl, ["x"], [e])
     ctrl.insert_batch(["x"], Modality.IMAGE)
@@ -154,7 +154,7 @@ def test_two_controllers_in_two_processes_share_through_local_shared_memory(emb)
     assert delta.get('gcache_bytes_total{direction="in"}', 0) == 0
     assert delta.get('gcache_bytes_total{direction="out"}', 0) == 0
     # the same get with the local path off does move the bytes over TCP (the metric can tell)
-    tcp_store, tcp_ctrl = make(local="off")
+    _, tcp_ctrl = make(local="off")
     tcp_ctrl.prefetch("tcp", hashes[:1], [TOKENS], Modality.IMAGE)
     wait_prefetch(tcp_ctrl, "tcp")
     assert tcp_ctrl.has_local_embedding(hashes[0])

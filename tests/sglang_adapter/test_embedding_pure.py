@@ -1,0 +1,71 @@
+"""The embedding store's configuration and key naming (pure: no sglang, no sockets)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gcache.client.client import LocalPath
+from gcache.errors import ConfigError
+from sglang_adapter.emb_config import (
+    ENV_CONFIG,
+    FORMAT_VERSION,
+    EmbeddingFormat,
+    EmbeddingStoreConfig,
+    embedding_keys,
+)
+
+
+def test_keys_name_model_modality_dtype_hidden_and_version():
+    fmt = EmbeddingFormat("vision", "bfloat16", 4096)
+    (key,) = embedding_keys(["ab12"], "Qwen/Qwen2.5-VL-7B", fmt)
+    assert key == f"ab12.emb.vision@Qwen/Qwen2.5-VL-7B#bfloat16x4096.v{FORMAT_VERSION}".encode()
+
+
+@pytest.mark.parametrize("other", [
+    ("m", EmbeddingFormat("vision", "float32", 4096)),
+    ("m", EmbeddingFormat("vision", "bfloat16", 3584)),
+    ("m", EmbeddingFormat("audio", "bfloat16", 4096)),
+    ("m2", EmbeddingFormat("vision", "bfloat16", 4096)),
+])
+def test_any_difference_in_format_or_model_is_another_key(other):
+    base = embedding_keys(["h"], "m", EmbeddingFormat("vision", "bfloat16", 4096))
+    assert embedding_keys(["h"], *other) != base
+
+
+def test_format_refuses_empty_fields():
+    with pytest.raises(ConfigError):
+        EmbeddingFormat("vision", "bfloat16", 0)
+    with pytest.raises(ConfigError):
+        EmbeddingFormat("", "bfloat16", 8)
+
+
+def test_config_from_mapping_json_and_environment(monkeypatch):
+    monkeypatch.delenv(ENV_CONFIG, raising=False)
+    monkeypatch.setenv("GCACHE_NODES", "127.0.0.1:1,127.0.0.1:2")
+    c = EmbeddingStoreConfig.load({"model": "m", "local": "off", "timeout_s": 2})
+    assert c.nodes == ("127.0.0.1:1", "127.0.0.1:2") and c.local is LocalPath.OFF and c.timeout_s == 2
+    assert (c.namespace, c.pool, c.skip_existing) == ("sglang-emb", "emb", True)
+    c = EmbeddingStoreConfig.load(json.dumps({"nodes": ["h:3"], "pool": "img"}), default_model="served")
+    assert c.nodes == ("h:3",) and c.model == "served" and c.pool == "img"
+    monkeypatch.setenv(ENV_CONFIG, json.dumps({"model": "from-env", "namespace": "mm"}))
+    c = EmbeddingStoreConfig.load(None)
+    assert (c.model, c.namespace) == ("from-env", "mm")
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"model": "m", "nodes": []}, "no nodes"),
+    ({"nodes": "h:1"}, "no model"),
+    ({"nodes": "h:1", "model": "m", "timeout_s": 0}, "must be > 0"),
+    ({"nodes": "h:1", "model": "m", "timeout_s": True}, "wrong type"),
+    ({"nodes": "h:1", "model": "m", "local": "sometimes"}, "auto, off or force"),
+    ({"nodes": "h:1", "model": "m", "bogus": 1}, "unknown config keys"),
+    ({"nodes": "h:1", "model": "x" * 600}, "longer than"),
+    ("{not json", "not JSON"),
+    ("[1]", "JSON object"),
+])
+def test_bad_config_is_a_clear_error(bad, why, monkeypatch):
+    monkeypatch.delenv("GCACHE_NODES", raising=False)
+    with pytest.raises(ConfigError, match=why):
+        EmbeddingStoreConfig.load(bad)
