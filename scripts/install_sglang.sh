@@ -14,7 +14,7 @@ VENV=${1:-.venv}
 PY="$VENV/bin/python"
 STAMP="$VENV/.sglang-0.5.23-installed"
 
-if [[ -f "$STAMP" ]] && "$PY" -c "import importlib.util as u; assert u.find_spec('sglang') and u.find_spec('torch')" \
+if [[ -f "$STAMP" ]] && "$PY" -c "import importlib.util as u; assert all(u.find_spec(m) for m in ('sglang', 'torch', 'openai', 'partial_json_parser'))" \
     2>/dev/null; then
   exit 0
 fi
@@ -37,6 +37,6 @@ echo "installing sglang 0.5.23 (no deps) and its import-time needs"
 # the list lives in pyproject.toml's `sglang` extra
 "${PIP[@]}" -c "$CONSTRAINTS" -e "$ROOT[sglang]"
 
-"$PY" -c "import torch, sglang.srt.mem_cache.hicache_storage" >/dev/null
+"$PY" -c "import torch, openai, partial_json_parser, sglang.srt.mem_cache.hicache_storage" >/dev/null
 touch "$STAMP"
 echo "sglang 0.5.23 ready in $VENV"
