@@ -57,12 +57,28 @@ def _hitrate_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _embedding_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--nodes", default="1", help="local daemons to start (default %(default)s: one, on this host, "
+                                                "so the shared-memory path is there), or HOST:PORT,...")
+    e.add_argument("--tokens", default="576,1152,2304", help="tokens per embedding (default %(default)s)")
+    e.add_argument("--hidden", type=int, default=4096, help="hidden size, bf16 values (default %(default)s)")
+    e.add_argument("--batch", type=int, default=4, help="embeddings per call (default %(default)s)")
+    e.add_argument("--runs", type=int, default=2, help="page runs each embedding is split into (default %(default)s)")
+    e.add_argument("--seconds", type=float, default=4.0, help="time per figure, store + raw (default %(default)s)")
+    e.add_argument("--rounds", type=int, default=8, help="store/raw alternations per figure (default %(default)s)")
+    e.add_argument("--transport", default="local,tcp", help="local,tcp (default %(default)s)")
+    e.add_argument("--ops", default="get,put", help="get,put (default %(default)s)")
+    e.add_argument("--out", default="bench/results", metavar="DIR", help="directory for embedding.json/.md")
+    e.add_argument("--json", default=None, metavar="PATH", help="write the JSON records here")
+    e.add_argument("--no-progress", action="store_true", help="no per-figure lines")
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks: throughput/latency beside ceilings and peers (default), "
                                      "hit-rate replay of a trace")
     _throughput_args(b)
     b.set_defaults(fn=_run_throughput)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate}")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding}")
     t = bsub.add_parser("throughput", help="GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, "
                                            "beside the memcpy and raw-socket ceilings")
     _throughput_args(t)
@@ -71,6 +87,10 @@ def add_bench_parser(sub) -> None:
                                         "rate vs capacity, beside the trace's own maximum")
     _hitrate_args(h)
     h.set_defaults(fn=_run_hitrate)
+    e = bsub.add_parser("embedding", help="multimodal embeddings through the SGLang embedding store beside the "
+                                          "raw client moving the same bytes (needs sglang)")
+    _embedding_args(e)
+    e.set_defaults(fn=_run_embedding)
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
@@ -81,5 +101,11 @@ def _run_throughput(args: argparse.Namespace) -> int:
 
 def _run_hitrate(args: argparse.Namespace) -> int:
     from gcache.bench.hitrate import run_cli
+
+    return run_cli(args)
+
+
+def _run_embedding(args: argparse.Namespace) -> int:
+    from gcache.bench.embedding import run_cli
 
     return run_cli(args)

@@ -119,5 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     pm = sub.add_parser("sim", help="replay a Mooncake trace against simulated workers",
                         description="Deterministic discrete-event simulation of every policy x queue order.")
     sim_cli.add_arguments(pm)
+    from router.sim import multimodal
+
+    pmm = sub.add_parser("mmsim", help="multimodal encoder-cache hit rate: round-robin vs consistent hashing",
+                         description="Zipf image trace replayed on encoders with fixed-size embedding caches.")
+    multimodal.add_arguments(pmm)
     a = parser.parse_args(argv)
-    return serve(a) if a.cmd == "serve" else sim_cli.run(a)
+    return {"serve": serve, "sim": sim_cli.run, "mmsim": multimodal.run}[a.cmd](a)
