@@ -64,8 +64,8 @@ def _embedding_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--hidden", type=int, default=4096, help="hidden size, bf16 values (default %(default)s)")
     e.add_argument("--batch", type=int, default=4, help="embeddings per call (default %(default)s)")
     e.add_argument("--runs", type=int, default=2, help="page runs each embedding is split into (default %(default)s)")
-    e.add_argument("--seconds", type=float, default=4.0, help="time per figure, store + raw (default %(default)s)")
-    e.add_argument("--rounds", type=int, default=8, help="store/raw alternations per figure (default %(default)s)")
+    e.add_argument("--seconds", type=float, default=4.0,
+                   help="time per figure, store and raw calls alternating (default %(default)s)")
     e.add_argument("--transport", default="local,tcp", help="local,tcp (default %(default)s)")
     e.add_argument("--ops", default="get,put", help="get,put (default %(default)s)")
     e.add_argument("--out", default="bench/results", metavar="DIR", help="directory for embedding.json/.md")

@@ -11,8 +11,8 @@ runs, interleaved with the other embeddings' runs) and one local daemon:
 * ``raw``: ``Client.get_into`` / ``Client.put`` of the same bytes into / from the same page runs
   (scatter-gather lists), on another namespace.
 
-Store and raw alternate in short rounds so that load from other processes hits both alike;
-``ratio`` is store GB/s over raw GB/s. Both run over the local shared-memory path and over TCP.
+Store and raw calls alternate one by one, so that load from other processes hits both alike;
+``ratio`` is store GB/s over raw GB/s (value bytes over the summed call times). Both run over the local shared-memory path and over TCP.
 """
 
 from __future__ import annotations
@@ -39,15 +39,14 @@ class EmbeddingBenchConfig:
     batch: int = 4
     runs: int = 2
     seconds: float = 4.0
-    rounds: int = 8
     transports: tuple[str, ...] = ("local", "tcp")
     ops: tuple[str, ...] = ("get", "put")
 
     def __post_init__(self) -> None:
         if not self.tokens or min(self.tokens) < 1 or self.hidden < 1 or self.batch < 1 or self.runs < 1:
             raise ValueError("tokens, hidden, batch and runs must be >= 1")
-        if self.seconds <= 0 or self.rounds < 1:
-            raise ValueError("seconds must be > 0 and rounds >= 1")
+        if self.seconds <= 0:
+            raise ValueError("seconds must be > 0")
         if not set(self.transports) <= {"local", "tcp"} or not set(self.ops) <= {"get", "put"}:
             raise ValueError("transports: local,tcp; ops: get,put")
 
@@ -63,9 +62,11 @@ class EmbeddingRecord:
     runs: int
     store_gbps: float
     raw_gbps: float
-    ratio: float
+    ratio: float  # store_gbps / raw_gbps
     store_p50_ms: float
     raw_p50_ms: float
+    ratio_p50: float  # raw_p50_ms / store_p50_ms: the same comparison by median call, less load-sensitive
+    plan_us: float  # the store's own work per call before the client's (region lookup, keys, views), median
     store_calls: int
     raw_calls: int
 
@@ -101,16 +102,21 @@ class _Layout:
         self.value_bytes = tokens * row
 
 
-def _timed(fn: Any, budget_s: float, lat: list[float]) -> int:
+def _alternate(s_fn: Any, r_fn: Any, budget_s: float) -> tuple[list[float], list[float]]:
+    """Call store and raw alternately (one call each, the order flipping every pair) until
+    ``budget_s`` has passed; their latencies. Alternating call by call puts both under the same
+    load from the rest of the machine."""
+    s_lat: list[float] = []
+    r_lat: list[float] = []
     end = time.perf_counter() + budget_s
-    calls = 0
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        lat.append(time.perf_counter() - t0)
-        calls += 1
-        if t0 + lat[-1] >= end:
-            return calls
+    flip = False
+    while time.perf_counter() < end or not s_lat:
+        for fn, lat in ((r_fn, r_lat), (s_fn, s_lat)) if flip else ((s_fn, s_lat), (r_fn, r_lat)):
+            t0 = time.perf_counter()
+            fn()
+            lat.append(time.perf_counter() - t0)
+        flip = not flip
+    return s_lat, r_lat
 
 
 def _one_size(store: Any, raw: Any, lay: _Layout, tokens: int, transport: str, cfg: EmbeddingBenchConfig,
@@ -135,24 +141,26 @@ def _one_size(store: Any, raw: Any, lay: _Layout, tokens: int, transport: str, c
         raise RuntimeError("store get returned other bytes than were put")
     out = []
     moved = lay.value_bytes * cfg.batch
-    per = cfg.seconds / cfg.rounds / 2
+    plan = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        store._plan(hashes, lay.ptrs, lay.sizes)
+        plan.append(time.perf_counter() - t0)
+    plan_us = float(np.median(plan)) * 1e6
     for op in cfg.ops:
-        s_fn, r_fn = ops[op]
-        s_lat: list[float] = []
-        r_lat: list[float] = []
-        s_calls = r_calls = 0
-        for _ in range(cfg.rounds):
-            s_calls += _timed(s_fn, per, s_lat)
-            r_calls += _timed(r_fn, per, r_lat)
+        s_lat, r_lat = _alternate(*ops[op], cfg.seconds)
+        s_calls, r_calls = len(s_lat), len(r_lat)
         s_gbps = s_calls * moved / sum(s_lat) / 1e9
         r_gbps = r_calls * moved / sum(r_lat) / 1e9
+        s_p50, r_p50 = float(np.median(s_lat)) * 1e3, float(np.median(r_lat)) * 1e3
         rec = EmbeddingRecord(op, transport, tokens, cfg.hidden, lay.value_bytes, cfg.batch, cfg.runs,
-                              s_gbps, r_gbps, s_gbps / r_gbps if r_gbps else 0.0,
-                              float(np.median(s_lat)) * 1e3, float(np.median(r_lat)) * 1e3, s_calls, r_calls)
+                              s_gbps, r_gbps, s_gbps / r_gbps if r_gbps else 0.0, s_p50, r_p50,
+                              r_p50 / s_p50 if s_p50 else 0.0, plan_us, s_calls, r_calls)
         out.append(rec)
         if progress:
             print(f"{transport:<5} {op:<3} {tokens}x{cfg.hidden} ({format_size(lay.value_bytes)}) x{cfg.batch}: "
-                  f"store {s_gbps:6.2f} GB/s, raw {r_gbps:6.2f} GB/s, ratio {rec.ratio:.2f}", flush=True)
+                  f"store {s_gbps:6.2f} GB/s, raw {r_gbps:6.2f} GB/s, ratio {rec.ratio:.2f} (by p50 "
+                  f"{rec.ratio_p50:.2f}); store's own work {plan_us:.0f} us a call", flush=True)
     return out
 
 
@@ -186,12 +194,13 @@ def measure(addresses: list[str], cfg: EmbeddingBenchConfig, progress: bool = Tr
 
 
 def format_markdown(records: list[EmbeddingRecord]) -> str:
-    lines = ["| path | op | embedding | batch x runs | store GB/s | raw GB/s | store / raw | store p50 ms | raw p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| path | op | embedding | batch x runs | store GB/s | raw GB/s | store / raw | store p50 ms "
+            "| raw p50 ms | by p50 | store's own µs |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| {r.transport} | {r.op} | {r.tokens} x {r.hidden} bf16 ({format_size(r.value_bytes)}) "
                      f"| {r.batch} x {r.runs} | {r.store_gbps:.2f} | {r.raw_gbps:.2f} | {r.ratio:.2f} "
-                     f"| {r.store_p50_ms:.2f} | {r.raw_p50_ms:.2f} |")
+                     f"| {r.store_p50_ms:.2f} | {r.raw_p50_ms:.2f} | {r.ratio_p50:.2f} | {r.plan_us:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +211,7 @@ def _csv(s: str, kind: Any = str) -> tuple:
 def run_cli(args: argparse.Namespace) -> int:
     try:
         cfg = EmbeddingBenchConfig(tokens=_csv(args.tokens, int), hidden=args.hidden, batch=args.batch,
-                                   runs=args.runs, seconds=args.seconds, rounds=args.rounds,
+                                   runs=args.runs, seconds=args.seconds,
                                    transports=_csv(args.transport), ops=_csv(args.ops))
     except ValueError as exc:
         raise SystemExit(f"gcache bench embedding: {exc}") from None

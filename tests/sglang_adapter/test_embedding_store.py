@@ -229,7 +229,7 @@ def test_bench_short_version_moves_exact_bytes_both_ways(sgl, make_cluster):
     from gcache.bench.embedding import EmbeddingBenchConfig, format_markdown, measure
 
     cluster = make_cluster(nodes=1, mem="48MiB", extra_args=EMB_ARGS)
-    cfg = EmbeddingBenchConfig(tokens=(64,), hidden=512, batch=2, runs=2, seconds=0.1, rounds=2)
+    cfg = EmbeddingBenchConfig(tokens=(64,), hidden=512, batch=2, runs=2, seconds=0.1)
     recs = measure(cluster.addresses, cfg, progress=False)  # raises if a get returned other bytes
     assert {(r.transport, r.op) for r in recs} == {("local", "get"), ("local", "put"), ("tcp", "get"),
                                                    ("tcp", "put")}
