@@ -24,7 +24,7 @@ EMB_ARGS = ["--no-pretouch", "--pool-budget", "emb=24MiB"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def wait_prefetch(ctrl, req_id, timeout=10.0):
+def wait_prefetch(ctrl, req_id, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not ctrl.check_prefetch_progress(req_id):
         assert time.monotonic() < deadline, f"prefetch {req_id} not finished within {timeout}s"
@@ -44,7 +44,7 @@ def emb(sgl, make_cluster):
     made = []
 
     def make(hidden=HIDDEN, dtype=torch.bfloat16, pool_mib=4, **cfg):
-        store = GCacheEmbeddingStore({"nodes": cluster.addresses, "model": "test/vlm", "timeout_s": 1.0, **cfg})
+        store = GCacheEmbeddingStore({"nodes": cluster.addresses, "model": "test/vlm", "timeout_s": 10.0, **cfg})
         ctrl = S.controller(store, hidden=hidden, dtype=dtype, pool_mib=pool_mib)
         made.append((store, ctrl))
         return store, ctrl
