@@ -4,12 +4,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,router,bench,ucx
 
-.PHONY: run test venv system-deps lint clean bench-peers sglang-deps
+.PHONY: run test venv system-deps lint clean bench-peers sglang-deps package-test
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml
+# pyproject.toml holds version ranges; constraints.txt the exact versions tested together.
+$(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
@@ -38,6 +39,12 @@ sglang-deps: venv
 
 test: venv system-deps sglang-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Opt-in (minutes, downloads): build the wheel, install it into a clean venv beside sglang 0.5.23's
+# own requirement set (CUDA-only packages replaced by the CPU torch), `pip check`; then a venv at
+# the lowest versions pyproject.toml allows, running a daemon + master + put/get.
+package-test: venv
+	GCACHE_PACKAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/deploy/test_package_install.py $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check gcache router sglang_adapter tests bench

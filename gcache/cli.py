@@ -197,7 +197,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from gcache.server import daemon
 
+    from gcache import __version__
+
     p = argparse.ArgumentParser(prog="gcache", description="gcache: a distributed KV-cache store for LLM inference.")
+    p.add_argument("--version", action="version", version=f"gcache {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("daemon", help="run one gcached daemon (data plane over TCP)")
