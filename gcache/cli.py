@@ -9,6 +9,8 @@ import sys
 from gcache.errors import GCacheError
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (or env GCACHE_NODES)"
+# commands that read a TOML config file (gcache.ops.config)
+CONFIG_COMMANDS = ("daemon", "master", "status", "drain", "health")
 
 
 def _nodes(args: argparse.Namespace) -> list[str]:
@@ -195,23 +197,36 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gcache.server import daemon
-
     from gcache import __version__
+    from gcache.server import daemon
 
     p = argparse.ArgumentParser(prog="gcache", description="gcache: a distributed KV-cache store for LLM inference.")
     p.add_argument("--version", action="version", version=f"gcache {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    from gcache.ops import health, health_cli
+
     d = sub.add_parser("daemon", help="run one gcached daemon (data plane over TCP)")
     daemon.add_arguments(d)
+    health.add_arguments(d, with_port=False)
     d.set_defaults(fn=daemon.run)
 
     from gcache.meta import master
 
     m = sub.add_parser("master", help="run one master of the Raft-replicated membership group")
     master.add_arguments(m)
+    health.add_arguments(m, with_port=True)
     m.set_defaults(fn=master.run)
+
+    h = sub.add_parser("health", help="probe daemons' /healthz + /readyz and the masters; exit 0 when all are ready")
+    health_cli.add_arguments(h)
+    h.set_defaults(fn=health_cli.run)
+
+    cf = sub.add_parser("config", help="work with a gcache.toml config file")
+    cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
+    cc = cf_sub.add_parser("check", help="validate config files; print FILE:LINE: key: problem for each error")
+    cc.add_argument("files", nargs="+", metavar="FILE")
+    cc.set_defaults(fn=cmd_config_check)
 
     st = sub.add_parser("status", help="membership table (node, state, epoch, capacity, used, keys) from any master")
     st.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
@@ -261,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print raw JSON")
     s.set_defaults(fn=cmd_stats)
 
+    for name in CONFIG_COMMANDS:
+        sub.choices[name].add_argument("--config", metavar="FILE", default=None,
+                                       help="TOML config file (or $GCACHE_CONFIG); flags override its values")
+
     from gcache import doctor
 
     dc = sub.add_parser("doctor", help="which transports, devices and disks this host offers, and what gcache will use")
@@ -273,8 +292,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from gcache.ops.config import check
+
+    bad = 0
+    for path in args.files:
+        problems = check(path)
+        for p in problems:
+            print(p.format(path), file=sys.stderr)
+        bad += len(problems)
+        if not problems:
+            print(f"{path}: ok")
+    return 1 if bad else 0
+
+
+def _apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Make the config file's values (--config FILE or $GCACHE_CONFIG) the command's defaults."""
+    from gcache.ops.config import apply_defaults, config_path, defaults_for, load
+
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    path = config_path(argv) if cmd in CONFIG_COMMANDS else None
+    if not path:
+        return
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    apply_defaults(sub, defaults_for(load(path), cmd))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        _apply_config(parser, argv)
+    except GCacheError as exc:
+        print(f"gcache: config: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.fn(args) or 0)
     except GCacheError as exc:

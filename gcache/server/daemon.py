@@ -96,11 +96,12 @@ def run(args: argparse.Namespace) -> int:
             ucx.install(server)
         metrics = None
         if args.metrics_port is not None:
+            from gcache.ops.health import serve_daemon
             from gcache.server.handler import Handler
             from gcache.server.metrics import RequestMetrics
 
             metrics = RequestMetrics(store.stats)
-            metrics.serve(args.metrics_port)
+            serve_daemon(metrics, server, store, agent, args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
             Handler.metrics = metrics
     except (ConfigError, OSError) as exc:
         print(f"gcache daemon: {exc}", file=sys.stderr)
