@@ -31,7 +31,6 @@ def _client(args: argparse.Namespace):
 
 def cmd_up(args: argparse.Namespace) -> int:
     from gcache.cluster import LocalCluster
-
     from gcache.process import stop_on_signals
 
     cluster = LocalCluster(nodes=args.nodes_count, mem=args.mem, disk=args.disk_size if args.disk else None,
@@ -43,7 +42,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"gcache up: {exc}", file=sys.stderr)
         return 1
-    print(f"gcache: {len(cluster.daemons)} daemons up (data in {cluster.root}); Ctrl-C stops them")
+    print(f"gcache: {len(cluster.daemons)} daemons up (data in {cluster.root}); Ctrl-C stops them"
+          + ("" if args.no_restart else "; a process that dies is restarted"))
     for d in cluster.daemons:
         print(f"  {d.node_id}  {d.address}  pid {d.pid}")
     if cluster.master_procs:
@@ -52,16 +52,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"export GCACHE_MASTERS={cluster.master_url}")
         print(f"export GCACHE_TOKEN_FILE={cluster.token_file}")
     print(f"export GCACHE_NODES={','.join(cluster.addresses)}", flush=True)
+    code = 0
     try:
-        while not stop.wait(0.5):
-            dead = [d for d in cluster.daemons if d.proc is not None and d.proc.poll() is not None]
-            if dead:
-                print(f"gcache up: daemon {dead[0].node_id} exited; stopping", file=sys.stderr)
-                return 1
-        return 0
+        while not stop.wait(0.2):
+            if args.no_restart:
+                dead = cluster.exited()
+                if dead:
+                    print(f"gcache up: {dead[0].label} exited; stopping", file=sys.stderr)
+                    code = 1
+                    break
+                continue
+            for event in cluster.supervise_once():
+                print(f"gcache up: {event}", flush=True)
+        return code
     finally:
+        print("gcache: what ran:\n" + cluster.summary(), flush=True)
         cluster.stop()
-        print("gcache: cluster stopped")
+        print("gcache: cluster stopped", flush=True)
 
 
 def _master_client(args: argparse.Namespace):
@@ -250,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dir", default=None, help="directory for daemon data and logs (default: a temporary one)")
     u.add_argument("--masters", type=int, default=0, choices=(0, 1, 3, 5),
                    help="also run a Raft master group of this size (daemons register with it)")
+    u.add_argument("--no-restart", action="store_true",
+                   help="stop the whole cluster when one process exits (default: restart it with backoff)")
     u.set_defaults(fn=cmd_up)
 
     def data_cmd(name: str, help_: str) -> argparse.ArgumentParser:
