@@ -112,11 +112,19 @@ def run(args: argparse.Namespace) -> int:
         local.start()
     if agent is not None:
         agent.start()
-        if not agent.wait_registered(30):
-            print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
+        waited = 0.0
+        while not agent.wait_registered(0.1) and not stop.is_set():  # SIGTERM still stops it meanwhile
+            waited += 0.1
+            if waited >= 30:
+                print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
+                break
+        if not agent.wait_registered(0):
+            agent.stop()
+            if metrics is not None:
+                metrics.stop()
             server.stop()
             store.close()
-            return 3
+            return 0 if stop.is_set() else 3
     line = f"gcached listening on {server.address} node={server.node_id} mem={config.mem_bytes}"
     if config.disk_dir:
         line += f" disk={config.disk_dir} ({len(store.nvme or [])} keys recovered)"
