@@ -79,7 +79,8 @@ def test_ready_daemons_and_master_then_a_drained_node_is_not_ready(cluster):
     dr = subprocess.run([*GCACHE, "drain", "node0", "--masters", cluster.master_url, "--timeout", "60"],
                         check=False, capture_output=True, text=True, timeout=90, env=env)
     assert dr.returncode == 0, dr.stderr
-    code, body = poll(lambda: (lambda r: r if r[0] == 503 else None)(get(d0, "/readyz")), what="node0 not ready")
+    poll(lambda: get(d0, "/readyz")[0] == 503, what="node0 not ready")
+    code, body = get(d0, "/readyz")
     assert not body["checks"]["member"]["ok"] and get(d0, "/healthz")[0] == 200
     p = health("--daemon", d0, "--daemon", d1, env=env)
     assert p.returncode == 1 and "NOT healthy" in p.stdout and "drained" in p.stdout
