@@ -15,11 +15,15 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-# redis-server is a real server used by the router tests (Debian package).
+# redis-server is a real server used by the router tests (Debian package); systemd-analyze
+# checks deploy/systemd (Debian's systemd package; installing it does not start it here).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v systemd-analyze >/dev/null 2>&1 || { \
+	  echo "installing systemd (Debian package, for systemd-analyze)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; }
 
 run: venv
 	$(VENV)/bin/gcache bench throughput --quick --nodes 3

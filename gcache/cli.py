@@ -125,6 +125,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_drain(args: argparse.Namespace) -> int:
     import time
 
+    if not args.node:
+        raise SystemExit("gcache drain: give the node id (or --config FILE with a [daemon] section)")
     mc = _master_client(args)
     try:
         out = mc.call("Drain", {"node": args.node}, timeout_s=5.0)
@@ -242,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=cmd_status)
 
     dr = sub.add_parser("drain", help="drain a node: its keys move to their new owners, hottest first, then it leaves")
-    dr.add_argument("node", help="node id to drain")
+    dr.add_argument("node", nargs="?", default=None,
+                    help="node id to drain (default with --config: its [daemon] node_id, else its listen address)")
     dr.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
     dr.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
     dr.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many seconds")

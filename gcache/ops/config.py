@@ -341,6 +341,9 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
         out[dest] = _arg_value(field, value)
         if dest == "masters":
             out[dest] = "gcache://" + out[dest].removeprefix("gcache://")
+    daemon = doc.get("daemon", {})
+    if command == "drain" and ("node_id" in daemon or "listen" in daemon):
+        out["node"] = daemon.get("node_id", daemon.get("listen"))
     if command == "health" and "metrics_port" in doc.get("daemon", {}):
         host = doc["daemon"].get("metrics_host", "127.0.0.1")
         out["daemon_metrics"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{doc['daemon']['metrics_port']}"
