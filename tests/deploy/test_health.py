@@ -10,9 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
-
-from gcache.cluster import LocalCluster, free_port
+from gcache.cluster import free_port
 
 GCACHE = [sys.executable, "-m", "gcache"]
 
@@ -43,20 +41,13 @@ def health(*args: str, env=None) -> subprocess.CompletedProcess:
                           env=env)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = LocalCluster(nodes=2, mem="16MiB", masters=1, root=str(tmp_path), extra_args=["--metrics-port", "0",
-                     "--no-pretouch"], master_args=["--metrics-port", "0"])
-    yield c.start()
-    c.stop()
-
-
 def metrics_address(proc) -> str:
     with open(proc.ready_file + ".metrics") as f:
         return f.read().strip()
 
 
-def test_ready_daemons_and_master_then_a_drained_node_is_not_ready(cluster):
+def test_ready_daemons_and_master_then_a_drained_node_is_not_ready(metrics_cluster):
+    cluster = metrics_cluster
     d0, d1 = (metrics_address(d) for d in cluster.daemons)
     m0 = metrics_address(cluster.master_procs[0])
     code, body = get(d0, "/healthz")
