@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,router,bench,ucx
 
-.PHONY: run test venv system-deps lint clean bench-peers sglang-deps package-test
+.PHONY: run test venv system-deps lint clean bench-peers sglang-deps package-test image-test
 
 # pyproject.toml holds version ranges; constraints.txt the exact versions tested together.
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
@@ -49,6 +49,14 @@ test: venv system-deps sglang-deps
 # the lowest versions pyproject.toml allows, running a daemon + master + put/get.
 package-test: venv
 	GCACHE_PACKAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/deploy/test_package_install.py $(PYTEST_ARGS)
+
+# Opt-in (minutes, downloads): replay deploy/Containerfile into a debootstrap'd Debian folder
+# (chroot + unshare, no container engine) and run gcache daemon + a put/get inside it.
+image-test: venv
+	@command -v debootstrap >/dev/null 2>&1 || { \
+	  echo "installing debootstrap (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
+	GCACHE_IMAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_image.py $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check gcache router sglang_adapter tests bench
