@@ -83,10 +83,16 @@ def test_wheel_beside_sglang_0_5_23_pip_check_clean(wheel, tmp_path):
 SMOKE = """
 from gcache import Client, Status
 from gcache.cluster import LocalCluster
-with LocalCluster(nodes=2, mem="16MiB", masters=1, extra_args=["--no-pretouch"]) as c:
+from urllib.request import urlopen
+with LocalCluster(nodes=2, mem="16MiB", masters=1, extra_args=["--no-pretouch", "--metrics-port", "0"],
+                  master_args=["--metrics-port", "0"]) as c:
     with Client(c.master_url, token=c.token, timeout_s=5.0) as cl:
         assert cl.put_one("k", b"v" * 1000) is Status.OK
         assert bytes(cl.get_one("k")) == b"v" * 1000
+    for p in (*c.daemons, *c.master_procs):  # metrics + health endpoints on the oldest prometheus-client
+        addr = open(p.ready_file + ".metrics").read().strip()
+        assert b"gcache_" in urlopen(f"http://{addr}/metrics").read()
+        assert b'"ok": true' in urlopen(f"http://{addr}/readyz").read()
 print("smoke ok")
 """
 
