@@ -73,10 +73,17 @@ def test_containerfile_filesystem_runs_a_daemon(tmp_path):
     sh(["debootstrap", "--variant=minbase", "bookworm", str(root), MIRROR], timeout=1800)
     shutil.copy("/etc/resolv.conf", root / "etc" / "resolv.conf")
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+    # what a build host passes a build (--build-arg): its proxy settings and the CA bundle its
+    # network needs, so pip inside reaches PyPI as pip outside does
+    build_env = {k: v for k, v in os.environ.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+    ca = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
+    if os.path.exists(ca):
+        shutil.copy(ca, root / "etc" / "build-host-ca.crt")
+        build_env["PIP_CERT"] = "/etc/build-host-ca.crt"
     user, entrypoint = None, None
     for word, arg in steps[1:]:
         if word == "RUN":
-            in_root(root, arg, env, user)
+            in_root(root, arg, {**env, **build_env}, user)
         elif word == "COPY":
             *srcs, dest = arg.split()
             target = root / dest.lstrip("/")
