@@ -352,7 +352,7 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
 
 def apply_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
     """Make ``defaults`` the parser's defaults; an option they fill is no longer required."""
-    known = {a.dest for a in parser._actions}
+    known = {a.dest for a in parser._actions} | set(parser._defaults)
     for action in parser._actions:
         if action.dest in defaults:
             action.required = False

@@ -195,3 +195,5 @@ def test_health_defaults_come_from_the_file():
     d = defaults_for(load(str(EXAMPLE)), "health")
     assert d["daemon_metrics"] == "10.0.0.11:9400"
     assert d["masters"] == "gcache://10.0.0.11:7300,10.0.0.12:7300,10.0.0.13:7300"
+    a = parse(["health", "--config", str(EXAMPLE)])  # and reach the parsed arguments
+    assert a.daemon_metrics == "10.0.0.11:9400" and a.masters.startswith("gcache://10.0.0.11:7300")
