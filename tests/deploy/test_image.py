@@ -110,15 +110,17 @@ def test_containerfile_filesystem_runs_a_daemon(tmp_path):
         {entrypoint} --version
         {entrypoint} daemon --listen 127.0.0.1:7400 --mem 16MiB --no-pretouch --ready-file /tmp/ready \\
             --metrics-port 9400 > /tmp/daemon.log 2>&1 &
+        daemon=$!
         i=0; while [ ! -f /tmp/ready ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
         cat /tmp/daemon.log
         {entrypoint} put greeting "hello from the image" --nodes 127.0.0.1:7400
         {entrypoint} get greeting --nodes 127.0.0.1:7400
         python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9400/readyz').read().decode())"
         id -u
-        kill %1; wait
+        kill -TERM $daemon
+        wait $daemon && echo "daemon stopped cleanly"
     """
     out = in_root(root, script, env, user, net=False, timeout=300).stdout
     assert re.search(r"^gcache \d", out, re.MULTILINE), out
     assert "gcached listening on 127.0.0.1:7400" in out and "OK\nhello from the image\n" in out, out
-    assert '"ok": true' in out and out.strip().splitlines()[-1] == "10001", out
+    assert '"ok": true' in out and "\n10001\n" in out and out.strip().endswith("daemon stopped cleanly"), out
