@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
@@ -112,10 +113,9 @@ def run(args: argparse.Namespace) -> int:
         local.start()
     if agent is not None:
         agent.start()
-        waited = 0.0
+        deadline = time.monotonic() + 30
         while not agent.wait_registered(0.1) and not stop.is_set():  # SIGTERM still stops it meanwhile
-            waited += 0.1
-            if waited >= 30:
+            if time.monotonic() >= deadline:
                 print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
                 break
         if not agent.wait_registered(0):
