@@ -4,21 +4,26 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,router,bench,ucx
 
-.PHONY: run test venv system-deps lint clean bench-peers sglang-deps
+.PHONY: run test venv system-deps lint clean bench-peers sglang-deps package-test image-test
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml
+# pyproject.toml holds version ranges; constraints.txt the exact versions tested together.
+$(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-# redis-server is a real server used by the router tests (Debian package).
+# redis-server is a real server used by the router tests (Debian package); systemd-analyze
+# checks deploy/systemd (Debian's systemd package; installing it does not start it here).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v systemd-analyze >/dev/null 2>&1 || { \
+	  echo "installing systemd (Debian package, for systemd-analyze)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; }
 
 run: venv
 	$(VENV)/bin/gcache bench throughput --quick --nodes 3
@@ -38,6 +43,20 @@ sglang-deps: venv
 
 test: venv system-deps sglang-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Opt-in (minutes, downloads): build the wheel, install it into a clean venv beside sglang 0.5.23's
+# own requirement set (CUDA-only packages replaced by the CPU torch), `pip check`; then a venv at
+# the lowest versions pyproject.toml allows, running a daemon + master + put/get.
+package-test: venv
+	GCACHE_PACKAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/deploy/test_package_install.py $(PYTEST_ARGS)
+
+# Opt-in (minutes, downloads): replay deploy/Containerfile into a debootstrap'd Debian folder
+# (chroot + unshare, no container engine) and run gcache daemon + a put/get inside it.
+image-test: venv
+	@command -v debootstrap >/dev/null 2>&1 || { \
+	  echo "installing debootstrap (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
+	GCACHE_IMAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_image.py $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check gcache router sglang_adapter tests bench

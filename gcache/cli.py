@@ -9,6 +9,8 @@ import sys
 from gcache.errors import GCacheError
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (or env GCACHE_NODES)"
+# commands that read a TOML config file (gcache.ops.config)
+CONFIG_COMMANDS = ("daemon", "master", "status", "drain", "health")
 
 
 def _nodes(args: argparse.Namespace) -> list[str]:
@@ -29,7 +31,6 @@ def _client(args: argparse.Namespace):
 
 def cmd_up(args: argparse.Namespace) -> int:
     from gcache.cluster import LocalCluster
-
     from gcache.process import stop_on_signals
 
     cluster = LocalCluster(nodes=args.nodes_count, mem=args.mem, disk=args.disk_size if args.disk else None,
@@ -41,7 +42,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"gcache up: {exc}", file=sys.stderr)
         return 1
-    print(f"gcache: {len(cluster.daemons)} daemons up (data in {cluster.root}); Ctrl-C stops them")
+    print(f"gcache: {len(cluster.daemons)} daemons up (data in {cluster.root}); Ctrl-C stops them"
+          + ("" if args.no_restart else "; a process that dies is restarted"))
     for d in cluster.daemons:
         print(f"  {d.node_id}  {d.address}  pid {d.pid}")
     if cluster.master_procs:
@@ -50,16 +52,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"export GCACHE_MASTERS={cluster.master_url}")
         print(f"export GCACHE_TOKEN_FILE={cluster.token_file}")
     print(f"export GCACHE_NODES={','.join(cluster.addresses)}", flush=True)
+    code = 0
     try:
-        while not stop.wait(0.5):
-            dead = [d for d in cluster.daemons if d.proc is not None and d.proc.poll() is not None]
-            if dead:
-                print(f"gcache up: daemon {dead[0].node_id} exited; stopping", file=sys.stderr)
-                return 1
-        return 0
+        while not stop.wait(0.2):
+            if args.no_restart:
+                dead = cluster.exited()
+                if dead:
+                    print(f"gcache up: {dead[0].label} exited; stopping", file=sys.stderr)
+                    code = 1
+                    break
+                continue
+            for event in cluster.supervise_once():
+                print(f"gcache up: {event}", flush=True)
+        return code
     finally:
+        print("gcache: what ran:\n" + cluster.summary(), flush=True)
         cluster.stop()
-        print("gcache: cluster stopped")
+        print("gcache: cluster stopped", flush=True)
 
 
 def _master_client(args: argparse.Namespace):
@@ -116,6 +125,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_drain(args: argparse.Namespace) -> int:
     import time
 
+    if not args.node:
+        raise SystemExit("gcache drain: give the node id (or --config FILE with a [daemon] section)")
     mc = _master_client(args)
     try:
         out = mc.call("Drain", {"node": args.node}, timeout_s=5.0)
@@ -195,20 +206,36 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gcache import __version__
     from gcache.server import daemon
 
     p = argparse.ArgumentParser(prog="gcache", description="gcache: a distributed KV-cache store for LLM inference.")
+    p.add_argument("--version", action="version", version=f"gcache {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    from gcache.ops import health, health_cli
 
     d = sub.add_parser("daemon", help="run one gcached daemon (data plane over TCP)")
     daemon.add_arguments(d)
+    health.add_arguments(d, with_port=False)
     d.set_defaults(fn=daemon.run)
 
     from gcache.meta import master
 
     m = sub.add_parser("master", help="run one master of the Raft-replicated membership group")
     master.add_arguments(m)
+    health.add_arguments(m, with_port=True)
     m.set_defaults(fn=master.run)
+
+    h = sub.add_parser("health", help="probe daemons' /healthz + /readyz and the masters; exit 0 when all are ready")
+    health_cli.add_arguments(h)
+    h.set_defaults(fn=health_cli.run)
+
+    cf = sub.add_parser("config", help="work with a gcache.toml config file")
+    cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
+    cc = cf_sub.add_parser("check", help="validate config files; print FILE:LINE: key: problem for each error")
+    cc.add_argument("files", nargs="+", metavar="FILE")
+    cc.set_defaults(fn=cmd_config_check)
 
     st = sub.add_parser("status", help="membership table (node, state, epoch, capacity, used, keys) from any master")
     st.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
@@ -217,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=cmd_status)
 
     dr = sub.add_parser("drain", help="drain a node: its keys move to their new owners, hottest first, then it leaves")
-    dr.add_argument("node", help="node id to drain")
+    dr.add_argument("node", nargs="?", default=None,
+                    help="node id to drain (default with --config: its [daemon] node_id, else its listen address)")
     dr.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
     dr.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
     dr.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many seconds")
@@ -232,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dir", default=None, help="directory for daemon data and logs (default: a temporary one)")
     u.add_argument("--masters", type=int, default=0, choices=(0, 1, 3, 5),
                    help="also run a Raft master group of this size (daemons register with it)")
+    u.add_argument("--no-restart", action="store_true",
+                   help="stop the whole cluster when one process exits (default: restart it with backoff)")
     u.set_defaults(fn=cmd_up)
 
     def data_cmd(name: str, help_: str) -> argparse.ArgumentParser:
@@ -258,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print raw JSON")
     s.set_defaults(fn=cmd_stats)
 
+    for name in CONFIG_COMMANDS:
+        sub.choices[name].add_argument("--config", metavar="FILE", default=None,
+                                       help="TOML config file (or $GCACHE_CONFIG); flags override its values")
+
     from gcache import doctor
 
     dc = sub.add_parser("doctor", help="which transports, devices and disks this host offers, and what gcache will use")
@@ -270,8 +304,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from gcache.ops.config import check
+
+    bad = 0
+    for path in args.files:
+        problems = check(path)
+        for p in problems:
+            print(p.format(path), file=sys.stderr)
+        bad += len(problems)
+        if not problems:
+            print(f"{path}: ok")
+    return 1 if bad else 0
+
+
+def _apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Make the config file's values (--config FILE or $GCACHE_CONFIG) the command's defaults."""
+    from gcache.ops.config import apply_defaults, config_path, defaults_for, load
+
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    path = config_path(argv) if cmd in CONFIG_COMMANDS else None
+    if not path:
+        return
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    apply_defaults(sub, defaults_for(load(path), cmd))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        _apply_config(parser, argv)
+    except GCacheError as exc:
+        print(f"gcache: config: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.fn(args) or 0)
     except GCacheError as exc:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from gcache.errors import GCacheError
+from gcache.ops.supervise import Backoff
 
 
 @dataclass
@@ -27,10 +28,21 @@ class DaemonProc:
     proc: subprocess.Popen | None = None
     address: str = ""
     kind: str = "daemon"
+    # supervision (gcache up): when it started, past pids, pending restart
+    started_at: float = 0.0
+    pids: list[int] = field(default_factory=list)
+    restarts: int = 0
+    restart_at: float | None = None
+    starting: bool = False  # respawned, ready file not seen yet
+    backoff: Backoff = field(default_factory=Backoff)
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc else -1
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.node_id}"
 
 
 def free_port() -> int:
@@ -137,9 +149,10 @@ class LocalCluster:
         node_flag = ["--node-id", d.node_id] if d.kind == "daemon" else []
         cmd = [sys.executable, "-m", "gcache", d.kind, "--listen", listen, *node_flag,
                "--ready-file", d.ready_file, *d.args]
-        log = open(d.log_path, "ab")
-        d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
+        with open(d.log_path, "ab") as log:
+            d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        d.started_at = time.monotonic()
+        d.pids.append(d.proc.pid)
 
     def _wait_ready(self, d: DaemonProc) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -175,6 +188,52 @@ class LocalCluster:
             raise GCacheError(f"daemon {d.node_id} is still running")
         self._spawn(d, d.address)
         self._wait_ready(d)
+
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """One supervision round (``gcache up`` calls it a few times a second): a process that
+        exited is restarted after its backoff, on its own address and data directory, while the
+        others keep serving. Returns the events of this round, as lines to print."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for d in self.master_procs + self.daemons:
+            if d.proc is None:
+                continue
+            if d.starting:
+                if os.path.exists(d.ready_file):
+                    d.starting = False
+                    events.append(f"{d.label} back: pid {d.pid} serving on {d.address} (restart {d.restarts})")
+                elif d.proc.poll() is None:
+                    continue
+            code = d.proc.poll()
+            if code is None:
+                continue
+            if d.restart_at is None:
+                d.starting = False
+                delay = d.backoff.delay_after_exit(now - d.started_at)
+                d.restart_at = now + delay
+                how = f"signal {-code}" if code < 0 else f"code {code}"
+                events.append(f"{d.label} (pid {d.pid}) exited with {how}; restarting in {delay:.1f}s\n"
+                              + "".join(f"    | {line}" for line in self.log_tail(d, 5).splitlines(True)))
+            elif now >= d.restart_at:
+                d.restart_at = None
+                d.restarts += 1
+                self._spawn(d, d.address)
+                d.starting = True
+                events.append(f"{d.label} restarting: pid {d.pid} on {d.address}")
+        return events
+
+    def exited(self) -> list[DaemonProc]:
+        """Processes that are not running (for --no-restart)."""
+        return [d for d in self.daemons + self.master_procs if d.proc is not None and d.proc.poll() is not None]
+
+    def summary(self) -> str:
+        """What ran: each process, its address, its pids and restarts."""
+        rows = []
+        for d in self.master_procs + self.daemons:
+            up = time.monotonic() - d.started_at if d.proc is not None and d.proc.poll() is None else 0.0
+            rows.append(f"  {d.label:<14} {d.address:<22} pids {','.join(map(str, d.pids)) or '-':<20} "
+                        f"restarts {d.restarts:<3} {f'up {up:.0f}s' if up else 'stopped'}")
+        return "\n".join(rows)
 
     def stop(self) -> None:
         procs = self.daemons + self.master_procs

@@ -27,7 +27,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N")
     p.add_argument("--config", metavar="FILE",
-                   help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}')
+                   help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}, '
+                        "or a gcache.toml (FILE.toml) whose [router] section gives these flags' defaults "
+                        "(--worker flags add to its workers)")
     p.add_argument("--policy", choices=sorted(POLICIES), default="gcache", help="routing policy (default: gcache)")
     p.add_argument("--state", choices=[m.value for m in StateMode], default="memory",
                    help="memory: one replica, no Redis; redis: stateless replicas sharing --redis")
@@ -124,5 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     pmm = sub.add_parser("mmsim", help="multimodal encoder-cache hit rate: round-robin vs consistent hashing",
                          description="Zipf image trace replayed on encoders with fixed-size embedding caches.")
     multimodal.add_arguments(pmm)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    toml = _toml_config(argv) if argv[:1] == ["serve"] else None
+    if toml:  # a gcache.toml (--config FILE.toml or $GCACHE_CONFIG): [router] gives the flags' defaults
+        from gcache.errors import ConfigError
+        from gcache.ops.config import apply_defaults, defaults_for, load
+
+        try:
+            apply_defaults(ps, defaults_for(load(toml), "router"))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     a = parser.parse_args(argv)
+    if toml and a.cmd == "serve" and a.config == toml:
+        a.config = None  # already applied; not the JSON worker list
     return {"serve": serve, "sim": sim_cli.run, "mmsim": multimodal.run}[a.cmd](a)
+
+
+def _toml_config(argv: list[str]) -> str | None:
+    from gcache.ops.config import config_path
+
+    path = config_path(argv)
+    return path if path and path.endswith(".toml") else None

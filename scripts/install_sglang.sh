@@ -5,7 +5,7 @@
 #   scripts/install_sglang.sh [VENV]      (default .venv)
 #
 # torch is pinned to the CPU build (a local wheel in /opt/wheels when present, else
-# PyPI's CPU index); every other install runs under a constraints file holding it,
+# PyPI's CPU index); every other install runs under constraints.txt, which holds it,
 # so pip never swaps in a multi-GB CUDA torch. sglang goes in with --no-deps and
 # only its import-time needs are added.
 set -euo pipefail
@@ -20,9 +20,8 @@ if [[ -f "$STAMP" ]] && "$PY" -c "import importlib.util as u; assert all(u.find_
 fi
 
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
+# the project's pins, torch==2.13.0+cpu among them
+CONSTRAINTS="$ROOT/constraints.txt"
 
 if ! "$PY" -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
   echo "installing torch 2.13.0 (CPU)"

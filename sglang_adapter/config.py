@@ -9,6 +9,8 @@ Recognised keys (all optional except a node list, which may instead come from $G
     "dual_pools":       true (default): SWA pages go to their own daemon pool ("swa"), with its
                         own budget; false: every page is tagged "kv" (one pool, for comparison)
     "skip_existing":    true (default): a backup asks which pages exist and sends only the rest
+    "config":           a gcache.toml whose [sglang] section gives defaults for these keys
+                        (else $GCACHE_CONFIG, when set)
 
 Factory keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``) are ignored here.
 """
@@ -39,8 +41,13 @@ class AdapterConfig:
             raise ConfigError("gcache adapter: timeout_s and connect_timeout_s must be > 0")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> AdapterConfig:
+    def from_extra(cls, extra: Mapping[str, Any] | None, read_file: bool = True) -> AdapterConfig:
         extra = dict(extra or {})
+        path = extra.pop("config", None) or (os.environ.get("GCACHE_CONFIG") if read_file else None)
+        if path and read_file:  # a gcache.toml's [sglang] section; extra_config keys win
+            from gcache.ops.config import load
+
+            extra = {**load(path).get("sglang", {}), **extra}
         nodes = extra.get("nodes") or os.environ.get("GCACHE_NODES", "")
         if isinstance(nodes, str):
             nodes = [n.strip() for n in nodes.split(",") if n.strip()]

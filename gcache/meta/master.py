@@ -239,8 +239,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = stop_on_signals()
     print(f"gcache master listening on {master.address} raft={config.raft}", flush=True)
+    health = None
+    if getattr(args, "metrics_port", None) is not None:  # /metrics, /healthz, /readyz (gcache.ops.health)
+        from gcache.ops.health import serve_master
+
+        try:
+            health = serve_master(master, args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            print(f"gcache master: metrics port: {exc}", file=sys.stderr)
+            master.stop()
+            return 2
+        print(f"gcache master metrics on http://{health.address}/metrics", flush=True)
+        if args.ready_file:
+            write_ready(args.ready_file + ".metrics", health.address)
     if args.ready_file:
         write_ready(args.ready_file, master.address)
     stop.wait()
+    if health is not None:
+        health.stop()
     master.stop()
     return 0

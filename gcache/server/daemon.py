@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
@@ -96,11 +97,12 @@ def run(args: argparse.Namespace) -> int:
             ucx.install(server)
         metrics = None
         if args.metrics_port is not None:
+            from gcache.ops.health import serve_daemon
             from gcache.server.handler import Handler
             from gcache.server.metrics import RequestMetrics
 
             metrics = RequestMetrics(store.stats)
-            metrics.serve(args.metrics_port)
+            serve_daemon(metrics, server, store, agent, args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
             Handler.metrics = metrics
     except (ConfigError, OSError) as exc:
         print(f"gcache daemon: {exc}", file=sys.stderr)
@@ -111,11 +113,18 @@ def run(args: argparse.Namespace) -> int:
         local.start()
     if agent is not None:
         agent.start()
-        if not agent.wait_registered(30):
-            print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
+        deadline = time.monotonic() + 30
+        while not agent.wait_registered(0.1) and not stop.is_set():  # SIGTERM still stops it meanwhile
+            if time.monotonic() >= deadline:
+                print("gcache daemon: could not register with any master within 30s", file=sys.stderr)
+                break
+        if not agent.wait_registered(0):
+            agent.stop()
+            if metrics is not None:
+                metrics.stop()
             server.stop()
             store.close()
-            return 3
+            return 0 if stop.is_set() else 3
     line = f"gcached listening on {server.address} node={server.node_id} mem={config.mem_bytes}"
     if config.disk_dir:
         line += f" disk={config.disk_dir} ({len(store.nvme or [])} keys recovered)"

@@ -1,0 +1,1 @@
+"""Running gcache on real hosts: the TOML config file, health endpoints, supervision."""
