@@ -31,6 +31,11 @@ LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 
 
+def value_meta_list(got: list[Hit | None]) -> list:
+    """The "vm" field of a GET / LGET reply: each hit's metadata record (None for a miss)."""
+    return [h.meta.to_wire() if h is not None else None for h in got]
+
+
 class Refused(Exception):
     """Refuse the whole request with an ERROR reply; ``fatal`` also closes the connection."""
 
@@ -254,7 +259,10 @@ class Handler:
         got, status, sizes = self._acquire_keys(ns, keys)
         hits = [h for h in got if h is not None]
         try:
-            self._reply(Op.GET, req_id, {"st": status, "sz": sizes}, 0, [h.view for h in hits])
+            reply: dict[str, Any] = {"st": status, "sz": sizes}
+            if meta.get("vm"):  # the client asked for the value-metadata records too
+                reply["vm"] = value_meta_list(got)
+            self._reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
             return sum(sizes)
         finally:
             for hit in hits:

@@ -26,7 +26,7 @@ from typing import Any
 
 from gcache import protocol as P
 from gcache.protocol import Op, Status
-from gcache.server.handler import Handler, Refused
+from gcache.server.handler import Handler, Refused, value_meta_list
 from gcache.tier.store import Hit, Reservation, Store
 from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
 from gcache.wire import shutdown_quietly
@@ -113,8 +113,10 @@ class LocalHandler(Handler):
         # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
         # kernel: the abstract socket is only reachable from this host). A copy finished before
         # it cannot have raced a reuse of its slots, so the client may release it one-way.
-        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}, 0,
-                    [h.view for h in inline])
+        reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
+        if meta.get("vm"):
+            reply["vm"] = value_meta_list(got)
+        self._reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
         ids = meta.get("ls")

@@ -402,9 +402,11 @@ class Store:
         return True
 
     def keys_hottest_first(self) -> list[Key]:
-        """Every live key, RAM most-recently-used first, then disk-only keys (for handover)."""
+        """Every live key, RAM most-recently-used first, then those waiting for the disk, then
+        disk-only keys (for handover)."""
         with self._lock:
             ram = list(reversed(self.ram.index.keys()))
+            ram += [k for k in self._demoting if k not in self.ram.index]
             seen = set(ram)
         disk = [k for k in self.nvme.index_keys() if k not in seen] if self.nvme is not None else []
         return ram + disk
