@@ -21,13 +21,13 @@ import numpy as np
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
-from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
+from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.meta.master_client import SCHEME, MasterClient
-from gcache.meta.rpc import load_token
 from gcache.meta.membership import Membership
 from gcache.meta.ring import DEFAULT_VNODES, HashRing
+from gcache.meta.rpc import load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
 from gcache.transport import Transport

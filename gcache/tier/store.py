@@ -434,6 +434,7 @@ class Store:
                 disk_keys=len(self.nvme),
                 disk_write_errors=self.nvme.write_errors,
                 disk_corrupt=self.nvme.corrupt,
+                disk_reclaimed_segments=self.nvme.reclaimed_segments,
             )
         return out
 
