@@ -110,7 +110,9 @@ class NvmeTier:
         self._lock = threading.Lock()
         self._last_error_log = 0.0
         self._errors_unlogged = 0
+        self._discard_if_unclean()
         self._recover()
+        _write_state(directory, clean=False)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -415,18 +417,80 @@ class NvmeTier:
                      len(names), self.used, damaged)
 
     def close(self) -> None:
+        """Stop; a clean stop makes the segments durable (fsync), so a reboot may keep them."""
         with self._lock:
+            synced = True
             for seg in self.segments:
+                try:
+                    os.fsync(seg.fd)
+                except OSError as exc:
+                    synced = False
+                    log.error("nvme: cannot sync %s: %s", seg.path, exc)
                 seg.doomed = True
                 if seg.refs == 0:
                     os.close(seg.fd)
             self.segments.clear()
+        if synced:
+            try:
+                _write_state(self.directory, clean=True)
+            except OSError as exc:
+                log.error("nvme: cannot record the clean stop in %s: %s", self.directory, exc)
+
+    def _discard_if_unclean(self) -> None:
+        """Segments are written through the page cache, unsynced: a process crash keeps every
+        write, a machine crash (power cut, kernel panic) may lose recent ones, tombstones among
+        them, while older values survive. So after the machine restarted (another boot id) since
+        a daemon that did not stop cleanly, the segments are not trusted: they are removed."""
+        state = _read_state(self.directory)
+        if state is None or state.get("clean") or state.get("boot") == _boot_id():
+            return
+        names = [n for n in os.listdir(self.directory) if SEG_RE.match(n)]
+        log.warning("nvme: the machine restarted since this tier was last used and it was not stopped cleanly; "
+                    "recent writes (deletes among them) may be lost, so its %d segments are discarded", len(names))
+        for n in names:
+            os.unlink(os.path.join(self.directory, n))
 
 
 def _over_file_limit(end: int) -> bool:
     """Whether a file ending at ``end`` is past this process's file size limit (RLIMIT_FSIZE)."""
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return soft != resource.RLIM_INFINITY and end > soft
+
+
+STATE_FILE = "tier.state"
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _read_state(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            boot, _, clean = f.read().strip().partition(" ")
+            return {"boot": boot, "clean": clean == "clean"}
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(directory: str, clean: bool) -> None:
+    """Record this boot and whether the tier was stopped cleanly, durably (fsync'd)."""
+    path = os.path.join(directory, STATE_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{_boot_id()} {'clean' if clean else 'running'}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _load_salt(directory: str) -> int:
