@@ -108,6 +108,7 @@ class NvmeTier:
         self.corrupt = 0
         self.reclaimed_segments = 0
         self._lock = threading.Lock()
+        self._unlink_later: list[str] = []
         self._last_error_log = 0.0
         self._errors_unlogged = 0
         self._discard_if_unclean()
@@ -210,6 +211,7 @@ class NvmeTier:
                meta: ValueMeta = NO_META) -> bool:
         """prepare + write + publish in one go (callers that need no ordering, tests)."""
         p = self.prepare(key, len(value), expires, self.next_seq() if seq is None else seq, meta)
+        self.sweep()
         return p is not None and self.write(p, value) and self.publish(p)
 
     def invalidate(self, p: Pending) -> None:
@@ -237,7 +239,7 @@ class NvmeTier:
         ok = seg is not None and self._write(Pending(key, b"", total, seg, off, None), parts)
         if not ok and loc is not None:
             self._invalidate(loc)  # no tombstone (full disk): kill the old record itself
-        return loc is not None
+        return loc is not None  # (files of segments reclaimed for the tombstone: the owner sweeps)
 
     def _reserve(self, total: int) -> tuple[Segment | None, int]:
         """Lock held. Takes a reference on the segment; _write() gives it back."""
@@ -344,18 +346,30 @@ class NvmeTier:
         return seg
 
     def _reclaim(self, seg: Segment) -> None:
+        """Lock held: forget a segment. Its file is removed by sweep(), outside every lock
+        (freeing a large file's blocks takes a while); a crash before that brings back only
+        records that are older than everything that could hide them."""
         for key in list(seg.keys):
             self._unindex(key)
         self.segments.remove(seg)
         self.used -= seg.used
         self.reclaimed_segments += 1
-        try:
-            os.unlink(seg.path)
-        except OSError as exc:
-            log.error("cannot remove segment %s: %s", seg.path, exc)
+        self._unlink_later.append(seg.path)
         seg.doomed = True
         if seg.refs == 0:
             os.close(seg.fd)
+
+    def sweep(self) -> None:
+        """Remove the files of reclaimed segments (call without holding the store's lock)."""
+        if not self._unlink_later:
+            return
+        with self._lock:
+            paths, self._unlink_later = self._unlink_later, []
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                log.error("cannot remove segment %s: %s", path, exc)
 
     def _deref(self, seg: Segment) -> None:
         seg.refs -= 1
@@ -412,12 +426,14 @@ class NvmeTier:
             seg.keys.add(key)
         while self.used > self.budget and len(self.segments) > 0:
             self._reclaim(self.segments[0])
+        self.sweep()
         if names:
             log.info("nvme: recovered %d keys from %d segments (%d bytes, %d damaged segments)", len(self.index),
                      len(names), self.used, damaged)
 
     def close(self) -> None:
         """Stop; a clean stop makes the segments durable (fsync), so a reboot may keep them."""
+        self.sweep()
         with self._lock:
             synced = True
             for seg in self.segments:

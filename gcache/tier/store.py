@@ -172,6 +172,8 @@ class Store:
             self.ram.release(self.ram.insert(key, entry))
             self.counters["puts"] += 1
             self.counters["put_bytes"] += res.size
+        if self.nvme is not None:
+            self.nvme.sweep()  # files of segments a tombstone's reservation reclaimed
 
     def abort(self, res: Reservation) -> None:
         with self._lock:
@@ -283,6 +285,8 @@ class Store:
             old = self.ram.pop(key)
             self.ram.release(old)
             self._lock.notify_all()
+        if self.nvme is not None:
+            self.nvme.sweep()
         return found or old is not None
 
     def _next_seq(self) -> int:
@@ -371,6 +375,7 @@ class Store:
                     key, entry.size, entry.expires, entry.seq, ValueMeta(entry.pool, entry.pos, entry.tail, 0.0,
                                                                          entry.fmt))
             ok = False
+            nvme.sweep()  # files of segments the reservation reclaimed: their space is needed now
             if p is not None:
                 try:
                     ok = nvme.write(p, self.arena.slot(entry.off, entry.size))

@@ -100,6 +100,8 @@ def parse_value_meta(meta: dict, n: int, op: str) -> list[ValueMeta] | str:
 
     Fields: ``pool``, ``pos``, ``tail`` (gcache.tier.pools.parse_pool_meta), ``ttl`` (seconds,
     one for all keys or one per key) and ``fmt`` (format tag, one for all or one per key)."""
+    if not any(f in meta for f in ("pool", "pos", "tail", "ttl", "fmt")):
+        return [NO_META] * n  # the common case: one shared record, no per-key work
     pooled = parse_pool_meta(meta, n, op)
     if isinstance(pooled, str):
         return pooled
