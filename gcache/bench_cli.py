@@ -73,12 +73,27 @@ def _embedding_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--no-progress", action="store_true", help="no per-figure lines")
 
 
+def _soak_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--minutes", type=float, default=5.0, help="how long to run (default %(default)s)")
+    s.add_argument("--seconds", type=float, default=None, help="how long to run, in seconds (overrides --minutes)")
+    s.add_argument("--nodes", type=int, default=3, help="local daemons (default %(default)s)")
+    s.add_argument("--mem", default="2MiB", help="RAM arena per daemon (default %(default)s: small, so values "
+                                                 "are evicted and demoted all the time)")
+    s.add_argument("--disk", default="32MiB", help="disk tier per daemon (default %(default)s)")
+    s.add_argument("--keys", type=int, default=2000, help="distinct keys (default %(default)s)")
+    s.add_argument("--threads", type=int, default=4,
+                   help="client threads, alternately TCP and local shared memory (default %(default)s)")
+    s.add_argument("--no-kill", action="store_true", help="do not kill -9 and restart a daemon halfway")
+    s.add_argument("--seed", type=int, default=1, help="random seed (default %(default)s)")
+    s.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON here")
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks: throughput/latency beside ceilings and peers (default), "
                                      "hit-rate replay of a trace")
     _throughput_args(b)
     b.set_defaults(fn=_run_throughput)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding}")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding,soak}")
     t = bsub.add_parser("throughput", help="GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, "
                                            "beside the memcpy and raw-socket ceilings")
     _throughput_args(t)
@@ -91,6 +106,11 @@ def add_bench_parser(sub) -> None:
                                           "raw client moving the same bytes (needs sglang)")
     _embedding_args(e)
     e.set_defaults(fn=_run_embedding)
+    s = bsub.add_parser("soak", help="mixed put/get/delete/overwrite on a local cluster with disks, a daemon "
+                                     "killed and restarted halfway; counts wrong, stale and resurrected values "
+                                     "(exit 1 if any)")
+    _soak_args(s)
+    s.set_defaults(fn=_run_soak)
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
@@ -107,5 +127,11 @@ def _run_hitrate(args: argparse.Namespace) -> int:
 
 def _run_embedding(args: argparse.Namespace) -> int:
     from gcache.bench.embedding import run_cli
+
+    return run_cli(args)
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from gcache.bench.soak import run_cli
 
     return run_cli(args)

@@ -15,20 +15,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
-from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
+from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.meta.master_client import SCHEME, MasterClient
-from gcache.meta.rpc import load_token
 from gcache.meta.membership import Membership
 from gcache.meta.ring import DEFAULT_VNODES, HashRing
+from gcache.meta.rpc import load_token
 from gcache.protocol import Op, Status, namespace_error
+from gcache.tier.valuemeta import ValueMeta
 from gcache.transport import Transport
 
 KeyLike = str | bytes
@@ -55,10 +56,12 @@ class OnNodeError(enum.Enum):
 
 @dataclass
 class GetResult:
-    """Per-key outcome of get_into: ``status[i]`` and, for OK, ``sizes[i]`` bytes written."""
+    """Per-key outcome of get_into: ``status[i]`` and, for OK, ``sizes[i]`` bytes written;
+    ``meta[i]``: the hit's value-metadata record, when asked for (``with_meta=True``)."""
 
     status: list[Status]
     sizes: list[int]
+    meta: list[ValueMeta | None] | None = None
 
     @property
     def hits(self) -> int:
@@ -148,7 +151,7 @@ class Client:
     def __repr__(self) -> str:
         return f"Client(namespace={self.namespace!r}, epoch={self._view.epoch}, nodes={list(self._view.addr)})"
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -185,37 +188,44 @@ class Client:
         return self._view.ring.owners(namespace or self.namespace, [_key_bytes(k) for k in keys])
 
     # -- batch operations -------------------------------------------------------------------
-    def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float = 0.0,
+    def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float | Sequence[float] = 0.0,
             namespace: str | None = None, pool: str | None = None, pos: Sequence[int] | None = None,
-            tail: Sequence[int] | None = None) -> list[Status]:
-        """Store values (bytes-like, numpy arrays, CPU tensors); per-key Status.
+            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0) -> list[Status]:
+        """Store values (bytes-like, numpy arrays, CPU or GPU tensors); per-key Status.
 
         A value may also be a list/tuple of buffers, stored as their concatenation (sent
-        scatter-gather, not copied). ``pool`` tags the values with a daemon pool (own byte budget,
-        prefix-aware eviction); ``pos`` gives each key's position in its page chain and ``tail``
-        marks (1) pages of a restore point's trailing window. See gcache.tier.pools."""
+        scatter-gather, not copied). Each value carries a metadata record (gcache.tier.valuemeta)
+        that the daemons keep with it in RAM, on disk and through handovers: ``ttl_s`` (one for
+        all keys or one per key), ``pool`` (a daemon pool: own byte budget, prefix-aware
+        eviction), ``pos`` (each key's position in its page chain), ``tail`` (1: a restore
+        point's trailing-window page) and ``fmt`` (your format tag, an unsigned 32-bit int;
+        one for all or one per key). See gcache.tier.pools."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if any(is_device_tensor(v) for v in values):
-            return self.staging().put(self, keys, values, ttl_s=ttl_s, namespace=namespace)
-        if ttl_s < 0:
+        n = len(keys)
+        ttls = _per_key("ttl_s", ttl_s, n, float)
+        fmts = _per_key("fmt", fmt, n, int)
+        if any(t < 0 for t in (ttls if isinstance(ttls, list) else [ttls])):
             raise ValueError("ttl_s must be >= 0")
-        for name, per_key in (("pos", pos), ("tail", tail)):
-            if per_key is not None and len(per_key) != len(keys):
-                raise ValueError(f"{len(keys)} keys but {len(per_key)} {name} values")
+        if any(not 0 <= f < 1 << 32 for f in (fmts if isinstance(fmts, list) else [fmts])):
+            raise ValueError("fmt must be an unsigned 32-bit int")
+        pos = _per_key("pos", list(pos), n, int) if pos is not None else None
+        tail = _per_key("tail", list(tail), n, int) if tail is not None else None
+        if any(is_device_tensor(v) for v in values):
+            return self.staging().put(self, keys, values, ttl_s=ttls, namespace=namespace, pool=pool, pos=pos,
+                                      tail=tail, fmt=fmts)
         views = [_parts(v) for v in values]
-        status = [Status.ERROR] * len(keys)
+        status = [Status.ERROR] * n
 
         def build(idxs: list[int], kb: list[bytes]) -> tuple[dict, list[memoryview]]:
             meta: dict[str, Any] = {"ns": ns, "keys": kb, "sizes": [sum(map(len, views[i])) for i in idxs]}
-            if ttl_s:
-                meta["ttl"] = ttl_s
+            for field, per_key in (("ttl", ttls), ("fmt", fmts), ("pos", pos), ("tail", tail)):
+                if isinstance(per_key, list):
+                    meta[field] = [per_key[i] for i in idxs]
+                elif per_key:
+                    meta[field] = per_key
             if pool is not None:
                 meta["pool"] = pool
-                if pos is not None:
-                    meta["pos"] = [int(pos[i]) for i in idxs]
-                if tail is not None:
-                    meta["tail"] = [int(tail[i]) for i in idxs]
             return meta, [part for i in idxs for part in views[i]]
 
         def finish(idxs: list[int], meta: dict, plen: int, conn: Connection, deadline: float) -> None:
@@ -242,9 +252,10 @@ class Client:
         return status
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,
-                 namespace: str | None = None) -> GetResult:
+                 namespace: str | None = None, with_meta: bool = False) -> GetResult:
         """Read values straight into the caller's buffers (each at least the value's size). A
-        buffer may be a list/tuple of buffers, filled in order (scatter)."""
+        buffer may be a list/tuple of buffers, filled in order (scatter). ``with_meta``: also
+        return each hit's value-metadata record (GetResult.meta; not for device tensors)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if any(is_device_tensor(b) for b in buffers):
@@ -252,7 +263,7 @@ class Client:
             return GetResult(st, [self.staging().copier.nbytes(b) if s is Status.OK else 0
                                   for s, b in zip(st, buffers)])
         views = [_parts(b, True) if isinstance(b, (list, tuple)) else as_view(b, writable=True) for b in buffers]
-        return self._get(keys, views, namespace or self.namespace)[0]
+        return self._get(keys, views, namespace or self.namespace, with_meta)[0]
 
     def get(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bytearray | None]:
         """Read values into new bytearrays (convenience; get_into avoids the allocation)."""
@@ -300,15 +311,22 @@ class Client:
 
     # -- internals --------------------------------------------------------------------------
     def _get(self, keys: Sequence[KeyLike], views: list[memoryview] | None,
-             ns: str) -> tuple[GetResult, list[Any]]:
+             ns: str, with_meta: bool = False) -> tuple[GetResult, list[Any]]:
         """Into ``views``, or (views None) into new bytearrays; returns the result and buffers."""
         n = len(keys)
         status = [Status.ERROR] * n
         sizes = [0] * n
         bufs: list[Any] = list(views) if views is not None else [None] * n
+        metas: list[ValueMeta | None] | None = [None] * n if with_meta else None
 
         def build(idxs: list[int], kb: list[bytes]) -> tuple[dict, list]:
-            return {"ns": ns, "keys": kb}, []
+            return ({"ns": ns, "keys": kb, "vm": 1} if with_meta else {"ns": ns, "keys": kb}), []
+
+        def take_meta(idxs: list[int], reply: dict) -> None:
+            vm = reply.get("vm")
+            if metas is not None and isinstance(vm, list) and len(vm) == len(idxs):
+                for i, v in zip(idxs, vm):
+                    metas[i] = ValueMeta.from_wire(v)
 
         def dest_for(i: int, size: int) -> memoryview | list[memoryview]:
             """Where key i's value goes: the caller's buffer, or a new bytearray."""
@@ -339,6 +357,7 @@ class Client:
                 _recv_parts(conn, dest, sz, deadline)
                 status[i] = Status.OK
                 sizes[i] = sz
+            take_meta(idxs, meta)
 
         def local(idxs: list[int], conn: Connection, reply: dict, plen: int, deadline: float) -> None:
             """The daemon pinned the values under a lease (LGET): copy them out of the mapped
@@ -368,6 +387,7 @@ class Client:
                         _memcpy(d, src)
                     copied.append(i)
                 status[i], sizes[i] = Status.OK, sz
+            take_meta(idxs, reply)
             if reply.get("ls"):
                 dl = reply.get("dl")
                 if isinstance(dl, float) and time.monotonic() < dl - LEASE_MARGIN_S:
@@ -381,7 +401,9 @@ class Client:
 
         self._fanout(Op.GET, ns, keys, build, finish, status, fallback=True, local=local,
                      sizes=[_nbytes(v) for v in views] if views is not None else None)
-        return GetResult(status, sizes), bufs
+        if metas is not None:
+            metas = [m if st is Status.OK else None for m, st in zip(metas, status)]
+        return GetResult(status, sizes, metas), bufs
 
     def _keys_only(self, op: Op, keys: Sequence[KeyLike], namespace: str | None,
                    per_key: dict[str, list] | None = None) -> list[Status]:
@@ -599,6 +621,17 @@ class Client:
                 if conn is not None:
                     conn.close()
         return out
+
+
+def _per_key(name: str, v: Any, n: int, kind: type) -> Any:
+    """A per-key argument given once for all keys (returned as is) or as one value per key (as
+    a list of ``kind``)."""
+    if isinstance(v, (int, float)):
+        return kind(v)
+    out = [kind(x) for x in v]
+    if len(out) != n:
+        raise ValueError(f"{n} keys but {len(out)} {name} values")
+    return out
 
 
 def _statuses(meta: dict, n: int, node: str) -> list[Status]:

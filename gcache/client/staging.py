@@ -123,7 +123,8 @@ class StagingPool:
         return views
 
     def put(self, client: Client, keys: Sequence[Any], tensors: Sequence[Any], **kw: Any) -> list[Status]:
-        """Stage device tensors to host chunk by chunk and put them; per-key Status."""
+        """Stage device tensors to host chunk by chunk and put them; per-key Status. Keyword
+        arguments go to Client.put; a list is one value per key, cut along with the keys."""
         sizes = [self.copier.nbytes(t) for t in tensors]
         status: list[Status] = [Status.ERROR] * len(keys)
         with self._lock:
@@ -136,7 +137,8 @@ class StagingPool:
                 if c + 1 < len(plan):  # start the next device->host copy before the network
                     self._fill(plan[c + 1], self._buffers[(c + 1) % nbuf], tensors, sizes)
                 views = self._views(self._buffers[c % nbuf], idxs, sizes)
-                for i, st in zip(idxs, client.put([keys[i] for i in idxs], views, **kw)):
+                per_chunk = {k: [v[i] for i in idxs] if isinstance(v, list) else v for k, v in kw.items()}
+                for i, st in zip(idxs, client.put([keys[i] for i in idxs], views, **per_chunk)):
                     status[i] = st
                 self.chunks_moved += 1
         return status

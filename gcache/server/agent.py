@@ -198,16 +198,27 @@ class Agent:
         return moved
 
     def _push(self, client: Any, ns: str, keys: list[bytes]) -> int:
+        """Put ``keys`` on their new owners with their value-metadata records (pool, chain
+        position, tail mark, what is left of the TTL, format tag), then delete each pushed value
+        here unless a newer one was written meanwhile. Returns how many moved."""
         hits = [(k, self.store.acquire((ns, k))) for k in keys]
-        present = [(k, h) for k, h in hits if h is not None]
-        try:
-            status = client.put([k for k, _ in present], [h.view for _, h in present], namespace=ns)
-        finally:
-            for _, h in present:
-                self.store.release(h)
+        present = [(k, h, h.meta, h.seq) for k, h in hits if h is not None]
+        by_pool: dict[str | None, list[int]] = defaultdict(list)
+        for i, (_k, _h, meta, _seq) in enumerate(present):
+            by_pool[meta.pool].append(i)
         moved = 0
-        for (k, _), st in zip(present, status):
-            if st is Status.OK:
-                self.store.delete((ns, k))
-                moved += 1
+        pushed = []
+        try:
+            for pool, idxs in by_pool.items():
+                sel = [present[i] for i in idxs]
+                status = client.put([k for k, *_ in sel], [h.view for _, h, *_ in sel], namespace=ns, pool=pool,
+                                    pos=[m.pos for *_, m, _ in sel], tail=[m.tail for *_, m, _ in sel],
+                                    ttl_s=[m.ttl_s for *_, m, _ in sel], fmt=[m.fmt for *_, m, _ in sel])
+                pushed += [(k, seq) for (k, _h, _m, seq), st in zip(sel, status) if st is Status.OK]
+        finally:
+            for _k, h, *_ in present:
+                self.store.release(h)
+        for k, seq in pushed:
+            self.store.delete((ns, k), if_seq=seq)
+            moved += 1
         return moved

@@ -19,6 +19,7 @@ from gcache import protocol as P
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Store
+from gcache.tier.valuemeta import parse_value_meta
 from gcache.wire import DRAIN_CHUNK, drain, recv_exact, send_all
 
 if TYPE_CHECKING:
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
+
+
+def value_meta_list(got: list[Hit | None]) -> list:
+    """The "vm" field of a GET / LGET reply: each hit's metadata record (None for a miss)."""
+    return [h.meta.to_wire() if h is not None else None for h in got]
 
 
 class Refused(Exception):
@@ -199,13 +205,10 @@ class Handler:
             raise Refused(ErrorCode.BAD_META, "PUT needs 'sizes': one non-negative int per key")
         if any(not isinstance(s, int) or s < 0 for s in sizes) or sum(sizes) != payload_len:
             raise Refused(ErrorCode.BAD_META, f"PUT sizes must be ints >= 0 summing to the payload ({payload_len})")
-        ttl = meta.get("ttl", 0)
-        if not isinstance(ttl, (int, float)) or ttl < 0:
-            raise Refused(ErrorCode.BAD_META, "PUT 'ttl' must be a number of seconds >= 0")
-        pooled = parse_pool_meta(meta, len(keys), "PUT")  # optional pool / pos / tail fields
-        if isinstance(pooled, str):
-            raise Refused(ErrorCode.BAD_META, f"PUT {pooled}")
-        pool, pos, tail = pooled
+        vmeta = parse_value_meta(meta, len(keys), "PUT")  # optional ttl / pool / pos / tail / fmt fields
+        if isinstance(vmeta, str):
+            raise Refused(ErrorCode.BAD_META, f"PUT {vmeta}")
+        pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
         status: list[int] = []
         consumed = 0
@@ -221,7 +224,7 @@ class Handler:
                 except BaseException:
                     self.store.abort(res)
                     raise
-                self.store.commit((ns, key), res, ttl, pos[i], tail[i] if tail else 0)
+                self.store.commit((ns, key), res, vmeta[i])
                 status.append(int(Status.OK))
             consumed += size
         return {"st": status}, consumed
@@ -256,7 +259,10 @@ class Handler:
         got, status, sizes = self._acquire_keys(ns, keys)
         hits = [h for h in got if h is not None]
         try:
-            self._reply(Op.GET, req_id, {"st": status, "sz": sizes}, 0, [h.view for h in hits])
+            reply: dict[str, Any] = {"st": status, "sz": sizes}
+            if meta.get("vm"):  # the client asked for the value-metadata records too
+                reply["vm"] = value_meta_list(got)
+            self._reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
             return sum(sizes)
         finally:
             for hit in hits:

@@ -26,10 +26,10 @@ from typing import Any
 
 from gcache import protocol as P
 from gcache.protocol import Op, Status
-from gcache.server.handler import Handler, Refused, parse_pool_meta
+from gcache.server.handler import Handler, Refused, value_meta_list
 from gcache.tier.store import Hit, Reservation, Store
+from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
 from gcache.wire import shutdown_quietly
-
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,12 @@ def unix_name(tcp_address: str) -> str:
 
 
 class _Lease:
-    __slots__ = ("deadline", "hits", "reservations", "ns", "ttl", "pos", "tail")
+    __slots__ = ("deadline", "hits", "meta", "ns", "reservations")
 
     def __init__(self, deadline: float, hits: list[Hit] | None = None,
                  reservations: list[tuple[bytes, Reservation | None]] | None = None, ns: str = "",
-                 ttl: float = 0.0, pos: list[int] | None = None, tail: list[int] | None = None) -> None:
-        self.deadline, self.hits, self.reservations, self.ns, self.ttl = deadline, hits, reservations, ns, ttl
-        self.pos, self.tail = pos, tail
+                 meta: list[ValueMeta] | None = None) -> None:
+        self.deadline, self.hits, self.reservations, self.ns, self.meta = deadline, hits, reservations, ns, meta
 
 
 class LocalHandler(Handler):
@@ -114,8 +113,10 @@ class LocalHandler(Handler):
         # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
         # kernel: the abstract socket is only reachable from this host). A copy finished before
         # it cannot have raced a reuse of its slots, so the client may release it one-way.
-        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}, 0,
-                    [h.view for h in inline])
+        reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
+        if meta.get("vm"):
+            reply["vm"] = value_meta_list(got)
+        self._reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
         ids = meta.get("ls")
@@ -136,13 +137,10 @@ class LocalHandler(Handler):
         if not isinstance(sizes, list) or len(sizes) != len(keys) or any(
                 not isinstance(s, int) or s < 0 for s in sizes):
             raise Refused(P.ErrorCode.BAD_META, "LALLOC needs 'sizes': one non-negative int per key")
-        ttl = meta.get("ttl", 0)
-        if not isinstance(ttl, (int, float)) or ttl < 0:
-            raise Refused(P.ErrorCode.BAD_META, "'ttl' must be a number of seconds >= 0")
-        pooled = parse_pool_meta(meta, len(keys), "LALLOC")  # optional pool / pos / tail, as for PUT
-        if isinstance(pooled, str):
-            raise Refused(P.ErrorCode.BAD_META, f"LALLOC {pooled}")
-        pool, pos, tail = pooled
+        vmeta = parse_value_meta(meta, len(keys), "LALLOC")  # ttl / pool / pos / tail / fmt, as for PUT
+        if isinstance(vmeta, str):
+            raise Refused(P.ErrorCode.BAD_META, f"LALLOC {vmeta}")
+        pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
         status, offs, reservations = [], [], []
         for key, size in zip(keys, sizes):
@@ -156,8 +154,7 @@ class LocalHandler(Handler):
                 status.append(int(Status.OK))
                 offs.append(res.off)
                 reservations.append((key, res))
-        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, ttl=ttl,
-                                     pos=list(pos), tail=list(tail) if tail else None))
+        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta))
         self._reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
 
     def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
@@ -169,8 +166,7 @@ class LocalHandler(Handler):
             if res is None:
                 status.append(int(Status.ERROR))
             else:
-                self.store.commit((lease.ns, key), res, lease.ttl, lease.pos[i] if lease.pos else 0,
-                                  lease.tail[i] if lease.tail else 0)
+                self.store.commit((lease.ns, key), res, lease.meta[i] if lease.meta else NO_META)
                 status.append(int(Status.OK))
         self._reply(Op.LCOMMIT, req_id, {"st": status})
 

@@ -1,26 +1,37 @@
 """NVMe tier: append-only segment files with an in-memory index and a byte budget.
 
-Record layout (little endian)::
+Records (gcache.tier.records) carry the key, the value-metadata record, the value's checksum
+and the write's sequence number. Values are read with ``preadv`` straight into the caller's
+buffer and verified.
 
-    magic b"GCR1" | version u8 | kind u8 | ns_len u16 | key_len u16 | value_len u64 |
-    expires f64 | value_xxh3 u64 | header_xxh3 u64 | namespace | key | value
-
-``header_xxh3`` covers the fields before it plus namespace and key, so a torn or garbage
-header is recognised; ``value_xxh3`` is checked on every read, so a torn or rotted value is a
-miss, never wrong bytes. A tombstone (kind 2) records a delete or overwrite so a restart does not
-bring the old value back. Values are read with ``preadv`` straight into the caller's buffer.
+Writing a value is three steps so the store can order it against deletes: prepare() reserves
+the record's place (under the store's lock: a tombstone for a later delete therefore always
+lands after the value it hides), write() does the I/O (no lock), publish() indexes it.
+A delete or overwrite of an indexed key appends a tombstone; if even that cannot be written
+(a full disk), the old record is invalidated in place, so a restart cannot bring it back.
 
 Reclamation is whole segments, oldest first, when the budget would be exceeded: this is a
-cache, so the oldest data is the cheapest to forget. On restart the index is rebuilt by scanning
-headers; the scan of a segment stops at the first bad or truncated record (a torn tail).
+cache, so the oldest data is the cheapest to forget. A tombstone is never reclaimed before the
+values it hides: they are in its own or an older segment.
+
+A failed write is rolled back: its bytes are not counted and, when it was the segment's last
+reservation, the file is truncated back so the next write reuses the place; no new segment
+file is made for it. A full filesystem lowers the budget to what was written, so from then on
+the oldest segments are recycled as when the budget is reached. A write past the process's
+file size limit seals its segment (if it holds data) and the next goes to a new one.
+
+On restart the index is rebuilt by scanning every segment (resynchronising past damage); for
+each key the highest sequence number wins, whatever segment or position it is in.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
-import struct
+import resource
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,17 +39,14 @@ from dataclasses import dataclass, field
 import xxhash
 
 from gcache.errors import ConfigError
+from gcache.tier import records as R
+from gcache.tier.valuemeta import NO_META, ValueMeta
 
 log = logging.getLogger(__name__)
 
-REC = struct.Struct("<4sBBHHQdQ")
-HCHK = struct.Struct("<Q")
-REC_MAGIC = b"GCR1"
-REC_VERSION = 1
-KIND_VALUE = 1
-KIND_TOMBSTONE = 2
-FIXED = REC.size + HCHK.size
 SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
+SALT_FILE = "tier.id"
+ERROR_LOG_EVERY_S = 10.0
 
 Key = tuple[str, bytes]
 
@@ -48,18 +56,34 @@ class Segment:
     seg_id: int
     path: str
     fd: int
-    size: int = 0  # bytes reserved (written or being written)
-    sealed: bool = False  # no more appends (full, or a write failed)
+    size: int = 0  # file extent: next append goes here
+    used: int = 0  # bytes of written (or in-flight) records counted against the budget
+    sealed: bool = False  # no more appends (full, or a write failed after data)
     refs: int = 0  # readers and writers using fd right now
     doomed: bool = False  # reclaimed: close fd when refs drop to 0
     keys: set[Key] = field(default_factory=set)
 
 
 class Location:
-    __slots__ = ("seg", "off", "size", "checksum", "expires")
+    __slots__ = ("checksum", "expires", "meta", "off", "rec", "seg", "seq", "size")
 
-    def __init__(self, seg: Segment, off: int, size: int, checksum: int, expires: float) -> None:
-        self.seg, self.off, self.size, self.checksum, self.expires = seg, off, size, checksum, expires
+    def __init__(self, seg: Segment, rec: int, off: int, size: int, checksum: int, expires: float, seq: int,
+                 meta: ValueMeta) -> None:
+        self.seg, self.rec, self.off, self.size, self.checksum = seg, rec, off, size, checksum
+        self.expires, self.seq, self.meta = expires, seq, meta  # meta.ttl_s is unused: see expires
+
+    def value_meta(self, now: float) -> ValueMeta:
+        m = self.meta
+        return ValueMeta(m.pool, m.pos, m.tail, ValueMeta.ttl_left(self.expires, now), m.fmt)
+
+
+class Pending:
+    """A record whose place is reserved (prepare) and not yet written (write) or indexed."""
+
+    __slots__ = ("key", "loc", "off", "raw", "seg", "total")
+
+    def __init__(self, key: Key, raw: bytes, total: int, seg: Segment, off: int, loc: Location | None) -> None:
+        self.key, self.raw, self.total, self.seg, self.off, self.loc = key, raw, total, seg, off, loc
 
 
 class NvmeTier:
@@ -70,10 +94,7 @@ class NvmeTier:
             raise ConfigError(f"disk budget {budget} is too small; give at least 4 KiB (e.g. --disk-size 1GiB)")
         try:
             os.makedirs(directory, exist_ok=True)
-            probe = os.path.join(directory, ".probe")
-            with open(probe, "wb"):
-                pass
-            os.unlink(probe)
+            self.salt = _load_salt(directory)
         except OSError as exc:
             raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
         self.directory = directory
@@ -82,14 +103,25 @@ class NvmeTier:
         self.index: dict[Key, Location] = {}
         self.segments: list[Segment] = []  # oldest first
         self.used = 0
+        self.max_seq = 0  # highest sequence number on disk or handed out
         self.write_errors = 0
         self.corrupt = 0
         self.reclaimed_segments = 0
         self._lock = threading.Lock()
+        self._unlink_later: list[str] = []
+        self._last_error_log = 0.0
+        self._errors_unlogged = 0
+        self._discard_if_unclean()
         self._recover()
+        _write_state(directory, clean=False)
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def next_seq(self) -> int:
+        with self._lock:
+            self.max_seq += 1
+            return self.max_seq
 
     # -- lookup and read ------------------------------------------------------------------
     def lookup(self, key: Key) -> Location | None:
@@ -103,6 +135,11 @@ class NvmeTier:
                 return None
             loc.seg.refs += 1
             return loc
+
+    def current(self, key: Key, loc: Location) -> bool:
+        """Whether ``loc`` is still what ``key`` maps to (no delete or overwrite since lookup)."""
+        with self._lock:
+            return self.index.get(key) is loc
 
     def index_keys(self) -> list[Key]:
         """A snapshot of the indexed keys, newest writes first."""
@@ -139,76 +176,160 @@ class NvmeTier:
             self._deref(loc.seg)
 
     # -- write ----------------------------------------------------------------------------
-    def append(self, key: Key, value: memoryview, expires: float) -> bool:
-        """Write a value record; False if it cannot be stored (too large, disk error)."""
-        ns, k = key[0].encode(), key[1]
-        checksum = xxhash.xxh3_64_intdigest(value)
-        header = REC.pack(REC_MAGIC, REC_VERSION, KIND_VALUE, len(ns), len(k), len(value), expires, checksum)
-        hchk = HCHK.pack(xxhash.xxh3_64_intdigest(header + ns + k))
-        total = FIXED + len(ns) + len(k) + len(value)
-        seg, off = self._reserve(total)
-        if seg is None:
-            return False
-        ok = self._write(seg, off, [header, hchk, ns, k, value], total)
+    def prepare(self, key: Key, size: int, expires: float, seq: int, meta: ValueMeta = NO_META) -> Pending | None:
+        """Reserve the place of a value record (no I/O but creating a segment); None if it
+        cannot be stored (larger than the budget, no segment file)."""
+        raw = meta.encode()
+        total = R.head_len(key, raw) + size
         with self._lock:
-            if ok and not seg.doomed:
-                value_off = off + FIXED + len(ns) + len(k)
-                self._unindex(key)
-                self.index[key] = Location(seg, value_off, len(value), checksum, expires)
-                seg.keys.add(key)
+            self.max_seq = max(self.max_seq, seq)
+            seg, off = self._reserve(total)
+            if seg is None:
+                return None
+            loc = Location(seg, off, off + total - size, size, 0, expires, seq, meta)
+            return Pending(key, raw, total, seg, off, loc)
+
+    def write(self, p: Pending, value: memoryview) -> bool:
+        """Write a prepared value record; False (rolled back) on a disk error."""
+        loc = p.loc
+        assert loc is not None and len(value) == loc.size
+        loc.checksum = xxhash.xxh3_64_intdigest(value)
+        parts = R.pack(R.KIND_VALUE, p.key, loc.seq, loc.size, loc.expires, loc.checksum, p.raw, self.salt)
+        return self._write(p, [*parts, value])
+
+    def publish(self, p: Pending) -> bool:
+        """Index a written record (False if its segment was reclaimed meanwhile)."""
+        with self._lock:
+            if p.seg.doomed or p.loc is None:
+                return False
+            self._unindex(p.key)
+            self.index[p.key] = p.loc
+            p.seg.keys.add(p.key)
+            return True
+
+    def append(self, key: Key, value: memoryview, expires: float, seq: int | None = None,
+               meta: ValueMeta = NO_META) -> bool:
+        """prepare + write + publish in one go (callers that need no ordering, tests)."""
+        p = self.prepare(key, len(value), expires, self.next_seq() if seq is None else seq, meta)
+        self.sweep()
+        return p is not None and self.write(p, value) and self.publish(p)
+
+    def invalidate(self, p: Pending) -> None:
+        """Make a written, unpublished record unreadable by a restart (its key was deleted or
+        overwritten while it was being written)."""
+        assert p.loc is not None
+        self._invalidate(p.loc)
+
+    def remove(self, key: Key, seq: int | None = None, force: bool = False) -> bool:
+        """Forget ``key``; a tombstone with sequence number ``seq`` makes the removal survive a
+        restart. Written if the key is indexed or ``force`` (a write of it may be in flight).
+        Returns whether the key was indexed."""
+        with self._lock:
+            loc = self.index.get(key)
+            if loc is None and not force:
+                return False
+            self._unindex(key)
+            if seq is None:
+                self.max_seq += 1
+                seq = self.max_seq
+            self.max_seq = max(self.max_seq, seq)
+            parts = R.pack(R.KIND_TOMBSTONE, key, seq, salt=self.salt)
+            total = R.head_len(key, b"")
+            seg, off = self._reserve(total)
+        ok = seg is not None and self._write(Pending(key, b"", total, seg, off, None), parts)
+        if not ok and loc is not None:
+            self._invalidate(loc)  # no tombstone (full disk): kill the old record itself
+        return loc is not None  # (files of segments reclaimed for the tombstone: the owner sweeps)
+
+    def _reserve(self, total: int) -> tuple[Segment | None, int]:
+        """Lock held. Takes a reference on the segment; _write() gives it back."""
+        if total > self.budget:
+            return None, 0
+        seg = self.segments[-1] if self.segments else None
+        if seg is None or seg.sealed or (seg.size and seg.size + total > self.segment_bytes):
+            if seg is not None:
+                seg.sealed = True
+            seg = self._new_segment()
+            if seg is None:
+                return None, 0
+        while self.used + total > self.budget and len(self.segments) > 1:
+            self._reclaim(self.segments[0])
+        if self.used + total > self.budget:
+            return None, 0
+        off = seg.size
+        seg.size += total
+        seg.used += total
+        self.used += total
+        seg.refs += 1
+        return seg, off
+
+    def _write(self, p: Pending, parts: list) -> bool:
+        seg = p.seg
+        too_big = False
+        try:
+            written = os.pwritev(seg.fd, parts, p.off)
+            if written != p.total:  # a short write on a regular file: the disk or the file is full
+                too_big = _over_file_limit(p.off + p.total)
+                raise OSError(f"short write ({written} of {p.total} bytes)")
+            ok = True
+        except OSError as exc:
+            ok = False
+            too_big = too_big or exc.errno == errno.EFBIG
+            self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
+        with self._lock:
+            if not ok:
+                self.write_errors += 1
+                self._roll_back(p, too_big)
             self._deref(seg)
         return ok
 
-    def remove(self, key: Key) -> bool:
-        """Forget ``key``; a tombstone makes the removal survive a restart."""
-        with self._lock:
-            if key not in self.index:
-                return False
-            self._unindex(key)
-        ns, k = key[0].encode(), key[1]
-        header = REC.pack(REC_MAGIC, REC_VERSION, KIND_TOMBSTONE, len(ns), len(k), 0, 0.0, 0)
-        hchk = HCHK.pack(xxhash.xxh3_64_intdigest(header + ns + k))
-        total = FIXED + len(ns) + len(k)
-        seg, off = self._reserve(total)
-        if seg is not None:
-            self._write(seg, off, [header, hchk, ns, k], total)
-            with self._lock:
-                self._deref(seg)
-        return True
+    def _roll_back(self, p: Pending, too_big: bool) -> None:
+        """Lock held: un-count a failed write, and reuse its place if nothing was reserved after
+        it. A disk-full failure keeps the segment (the next write retries there: no new files);
+        one past the file size limit seals it, if it holds data, so writes go to a fresh one."""
+        seg = p.seg
+        seg.used -= p.total
+        self.used -= p.total
+        if seg.doomed:
+            return
+        if seg.size == p.off + p.total:
+            seg.size = p.off
+            try:
+                os.ftruncate(seg.fd, p.off)  # give back what the partial write took
+            except OSError as exc:
+                self._log_error("cannot truncate %s: %s", seg.path, exc)
+        if too_big and seg.size > 0:
+            seg.sealed = True
+        elif not too_big and 0 < self.used < self.budget:
+            # The filesystem is smaller than the budget: use what fits, recycling the oldest
+            # segments from now on, as when the budget is reached.
+            log.warning("nvme: the filesystem of %s is full at %d bytes of records; the disk budget is lowered "
+                        "from %d to that until restart", self.directory, self.used, self.budget)
+            self.budget = self.used
 
-    def _reserve(self, total: int) -> tuple[Segment | None, int]:
+    def _invalidate(self, loc: Location) -> None:
         with self._lock:
-            if total > self.budget:
-                return None, 0
-            seg = self.segments[-1] if self.segments else None
-            if seg is None or seg.sealed or (seg.size and seg.size + total > self.segment_bytes):
-                if seg is not None:
-                    seg.sealed = True
-                seg = self._new_segment()
-                if seg is None:
-                    return None, 0
-            while self.used + total > self.budget and len(self.segments) > 1:
-                self._reclaim(self.segments[0])
-            if self.used + total > self.budget:
-                return None, 0
-            off = seg.size
-            seg.size += total
-            self.used += total
-            seg.refs += 1
-            return seg, off
-
-    def _write(self, seg: Segment, off: int, parts: list, total: int) -> bool:
+            if loc.seg.doomed:
+                return  # its file is gone
+            loc.seg.refs += 1
         try:
-            written = os.pwritev(seg.fd, parts, off)
-            if written != total:  # a short write on a regular file means the disk is full
-                raise OSError(f"short write ({written} of {total} bytes)")
-            return True
+            os.pwrite(loc.seg.fd, R.DEAD_MAGIC, loc.rec)
         except OSError as exc:
-            self.write_errors += 1
-            log.error("nvme write to %s failed (%s); segment sealed, value not stored", seg.path, exc)
+            self._log_error("cannot invalidate a record in %s: %s", loc.seg.path, exc)
+        finally:
             with self._lock:
-                seg.sealed = True
-            return False
+                self._deref(loc.seg)
+
+    def _log_error(self, msg: str, *args: object) -> None:
+        """log.error, at most once per ERROR_LOG_EVERY_S (a full disk fails every write)."""
+        now = time.monotonic()
+        if now - self._last_error_log < ERROR_LOG_EVERY_S:
+            self._errors_unlogged += 1
+            return
+        if self._errors_unlogged:
+            msg += f" ({self._errors_unlogged} similar errors not logged)"
+        self._last_error_log, self._errors_unlogged = now, 0
+        log.error(msg, *args)
 
     # -- segments -------------------------------------------------------------------------
     def _new_segment(self) -> Segment | None:
@@ -218,25 +339,37 @@ class NvmeTier:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             self.write_errors += 1
-            log.error("cannot create segment %s: %s", path, exc)
+            self._log_error("cannot create segment %s: %s", path, exc)
             return None
         seg = Segment(seg_id, path, fd)
         self.segments.append(seg)
         return seg
 
     def _reclaim(self, seg: Segment) -> None:
+        """Lock held: forget a segment. Its file is removed by sweep(), outside every lock
+        (freeing a large file's blocks takes a while); a crash before that brings back only
+        records that are older than everything that could hide them."""
         for key in list(seg.keys):
             self._unindex(key)
         self.segments.remove(seg)
-        self.used -= seg.size
+        self.used -= seg.used
         self.reclaimed_segments += 1
-        try:
-            os.unlink(seg.path)
-        except OSError as exc:
-            log.error("cannot remove segment %s: %s", seg.path, exc)
+        self._unlink_later.append(seg.path)
         seg.doomed = True
         if seg.refs == 0:
             os.close(seg.fd)
+
+    def sweep(self) -> None:
+        """Remove the files of reclaimed segments (call without holding the store's lock)."""
+        if not self._unlink_later:
+            return
+        with self._lock:
+            paths, self._unlink_later = self._unlink_later, []
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                log.error("cannot remove segment %s: %s", path, exc)
 
     def _deref(self, seg: Segment) -> None:
         seg.refs -= 1
@@ -252,56 +385,144 @@ class NvmeTier:
     def _recover(self) -> None:
         names = sorted(n for n in os.listdir(self.directory) if SEG_RE.match(n))
         now = time.time()
+        best: dict[Key, tuple[R.Rec, Segment]] = {}  # newest value record per key
+        floor: dict[Key, int] = {}  # newest tombstone per key: values below it are dead
+        damaged = 0
         for name in names:
             path = os.path.join(self.directory, name)
             seg_id = int(SEG_RE.match(name).group(1))  # type: ignore[union-attr]
             fd = os.open(path, os.O_RDWR)
             seg = Segment(seg_id, path, fd, sealed=True)
             self.segments.append(seg)
-            seg.size = self._scan(seg, os.fstat(fd).st_size, now)
-            self.used += seg.size
+            file_size = os.fstat(fd).st_size
+            found = R.scan(fd, file_size, self.salt)
+            if found.end == 0:  # nothing verifiable (empty, or written by another tier): drop it
+                if file_size:
+                    log.warning("nvme: %s holds no valid record (%d bytes); removed", path, file_size)
+                self.segments.pop()
+                os.close(fd)
+                os.unlink(path)
+                continue
+            for rec in found.records:
+                self.max_seq = max(self.max_seq, rec.seq)
+                if rec.kind == R.KIND_TOMBSTONE:
+                    floor[rec.key] = max(floor.get(rec.key, 0), rec.seq)
+                else:
+                    cur = best.get(rec.key)
+                    if cur is None or rec.seq >= cur[0].seq:
+                        best[rec.key] = (rec, seg)
+            if found.skipped or found.end < file_size:
+                damaged += 1
+                log.warning("nvme: %s: skipped %d damaged bytes between records, %d torn or garbage bytes at "
+                            "the end (truncated)", path, found.skipped, file_size - found.end)
+                os.ftruncate(fd, found.end)
+            seg.size = seg.used = found.end
+            self.used += seg.used
+        for key, (rec, seg) in sorted(best.items(), key=lambda kv: kv[1][0].seq):  # index order: oldest first
+            if rec.seq < floor.get(key, 0) or (rec.expires and rec.expires <= now):
+                continue
+            self.index[key] = Location(seg, rec.off, rec.value_off, rec.value_len, rec.checksum, rec.expires,
+                                       rec.seq, rec.meta)
+            seg.keys.add(key)
         while self.used > self.budget and len(self.segments) > 0:
             self._reclaim(self.segments[0])
+        self.sweep()
         if names:
-            log.info("nvme: recovered %d keys from %d segments (%d bytes)", len(self.index), len(names), self.used)
-
-    def _scan(self, seg: Segment, file_size: int, now: float) -> int:
-        """Index the segment's records; return the offset of the end of the last good record."""
-        off = 0
-        hdr = bytearray(FIXED)
-        while off + FIXED <= file_size:
-            if os.preadv(seg.fd, [hdr], off) != FIXED:
-                break
-            magic, ver, kind, ns_len, key_len, vlen, expires, checksum = REC.unpack_from(hdr)
-            if magic != REC_MAGIC or ver != REC_VERSION or kind not in (KIND_VALUE, KIND_TOMBSTONE):
-                break
-            names = os.pread(seg.fd, ns_len + key_len, off + FIXED)
-            if len(names) != ns_len + key_len:
-                break
-            (hchk,) = HCHK.unpack_from(hdr, REC.size)
-            if xxhash.xxh3_64_intdigest(bytes(hdr[: REC.size]) + names) != hchk:
-                break
-            value_off = off + FIXED + ns_len + key_len
-            if value_off + vlen > file_size:
-                break  # torn tail: the value never fully reached the file
-            try:
-                key = (names[:ns_len].decode(), names[ns_len:])
-            except UnicodeDecodeError:
-                break
-            self._unindex(key)
-            if kind == KIND_VALUE and not (expires and expires <= now):
-                self.index[key] = Location(seg, value_off, vlen, checksum, expires)
-                seg.keys.add(key)
-            off = value_off + vlen
-        if off < file_size:
-            log.warning("nvme: %s has %d bytes of torn or garbage tail; ignored", seg.path, file_size - off)
-            os.ftruncate(seg.fd, off)
-        return off
+            log.info("nvme: recovered %d keys from %d segments (%d bytes, %d damaged segments)", len(self.index),
+                     len(names), self.used, damaged)
 
     def close(self) -> None:
+        """Stop; a clean stop makes the segments durable (fsync), so a reboot may keep them."""
+        self.sweep()
         with self._lock:
+            synced = True
             for seg in self.segments:
+                try:
+                    os.fsync(seg.fd)
+                except OSError as exc:
+                    synced = False
+                    log.error("nvme: cannot sync %s: %s", seg.path, exc)
                 seg.doomed = True
                 if seg.refs == 0:
                     os.close(seg.fd)
             self.segments.clear()
+        if synced:
+            try:
+                _write_state(self.directory, clean=True)
+            except OSError as exc:
+                log.error("nvme: cannot record the clean stop in %s: %s", self.directory, exc)
+
+    def _discard_if_unclean(self) -> None:
+        """Segments are written through the page cache, unsynced: a process crash keeps every
+        write, a machine crash (power cut, kernel panic) may lose recent ones, tombstones among
+        them, while older values survive. So after the machine restarted (another boot id) since
+        a daemon that did not stop cleanly, the segments are not trusted: they are removed."""
+        state = _read_state(self.directory)
+        if state is None or state.get("clean") or state.get("boot") == _boot_id():
+            return
+        names = [n for n in os.listdir(self.directory) if SEG_RE.match(n)]
+        log.warning("nvme: the machine restarted since this tier was last used and it was not stopped cleanly; "
+                    "recent writes (deletes among them) may be lost, so its %d segments are discarded", len(names))
+        for n in names:
+            os.unlink(os.path.join(self.directory, n))
+
+
+def _over_file_limit(end: int) -> bool:
+    """Whether a file ending at ``end`` is past this process's file size limit (RLIMIT_FSIZE)."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return soft != resource.RLIM_INFINITY and end > soft
+
+
+STATE_FILE = "tier.state"
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _read_state(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            boot, _, clean = f.read().strip().partition(" ")
+            return {"boot": boot, "clean": clean == "clean"}
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(directory: str, clean: bool) -> None:
+    """Record this boot and whether the tier was stopped cleanly, durably (fsync'd)."""
+    path = os.path.join(directory, STATE_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{_boot_id()} {'clean' if clean else 'running'}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _load_salt(directory: str) -> int:
+    """The tier's random header-checksum seed, created on first use (see gcache.tier.records)."""
+    path = os.path.join(directory, SALT_FILE)
+    try:
+        with open(path) as f:
+            return int(f.read().strip(), 16)
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        log.warning("nvme: %s is unreadable; starting a new tier (old segments will not verify)", path)
+    salt = secrets.randbits(64)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{salt:016x}\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return salt

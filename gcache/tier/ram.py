@@ -22,10 +22,10 @@ class RamEntry:
     never reused, so an entry overwritten or evicted while pinned is only marked ``dead`` and its
     slot is freed by the last unpin. ``group``/``pos``/``tail``/``okey``: pool membership, chain
     position, restore-point mark and eviction order key (see gcache.tier.pools); None/0 when
-    untagged."""
+    untagged. ``pool``/``pos``/``tail``/``fmt``/``expires`` are the value-metadata record."""
 
-    __slots__ = ("dead", "expires", "group", "off", "okey", "on_disk", "pins", "pos", "size", "superseded",
-                 "tail")
+    __slots__ = ("dead", "expires", "fmt", "group", "off", "okey", "on_disk", "pins", "pool", "pos", "seq", "size",
+                 "superseded", "tail")
 
     def __init__(self, off: int, size: int, expires: float, on_disk: bool = False) -> None:
         self.off = off
@@ -39,6 +39,9 @@ class RamEntry:
         self.pos = 0
         self.tail = 0
         self.okey: tuple = ()
+        self.pool: str | None = None  # pool tag, kept even when ``group`` is None (pool not tracked)
+        self.fmt = 0  # the writer's format tag (gcache.tier.valuemeta)
+        self.seq = 0  # the store's sequence number of the write that made this value
 
     def __repr__(self) -> str:
         return f"RamEntry(off={self.off}, size={self.size}, pins={self.pins}, dead={self.dead})"

@@ -7,13 +7,22 @@ whichever tier holds the key; an NVMe hit is promoted into RAM when there is roo
 mismatch is a miss plus a logged error, never corrupt bytes.
 
 Concurrency: one lock covers the index, the allocator and the queue; payload copies (socket
-receive into a slot, send from a slot, disk reads) happen outside it on pinned or reserved
-slots. A pinned slot is never reused, so a reader never sees another value's bytes.
+receive into a slot, send from a slot, disk reads and writes) happen outside it on pinned or
+reserved slots. A pinned slot is never reused, so a reader never sees another value's bytes.
+
+Deletes and overwrites are final. Every write and delete takes a sequence number (kept in the
+NVMe records, see gcache.tier.records). A delete or overwrite, under the lock: marks a value
+waiting for the disk as superseded (it is then never served nor indexed, and a record of it
+already written is invalidated), and appends a tombstone whenever a copy may be on disk. A
+demotion reserves its record's place under the lock, so a later tombstone always lands after
+it. A promotion reads outside the lock and inserts its value only if the NVMe index still
+points at the record it read.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -22,9 +31,10 @@ from dataclasses import dataclass
 from gcache.errors import ConfigError
 from gcache.protocol import Status
 from gcache.tier.arena import Arena
-from gcache.tier.nvme import NvmeTier
+from gcache.tier.nvme import Location, NvmeTier
 from gcache.tier.pools import GroupId, PoolBudget, PoolBudgets, PoolGroup
 from gcache.tier.ram import Key, RamEntry, RamTier
+from gcache.tier.valuemeta import NO_META, ValueMeta
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +88,29 @@ class Reservation:
 class Hit:
     """A value being read: ``view`` stays valid until Store.release(hit)."""
 
-    __slots__ = ("view", "entry")
+    __slots__ = ("entry", "loc", "view")
 
-    def __init__(self, view: memoryview, entry: RamEntry | None) -> None:
-        self.view, self.entry = view, entry
+    def __init__(self, view: memoryview, entry: RamEntry | None, loc: Location | None = None) -> None:
+        self.view, self.entry, self.loc = view, entry, loc
+
+    @property
+    def meta(self) -> ValueMeta:
+        """The value's metadata record (ttl_s: what is left of it now)."""
+        now = time.time()
+        e = self.entry
+        if e is not None:
+            return ValueMeta(e.pool, e.pos, e.tail, ValueMeta.ttl_left(e.expires, now), e.fmt)
+        return self.loc.value_meta(now) if self.loc is not None else ValueMeta()
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the write that stored this value (see Store.delete(if_seq=))."""
+        return self.entry.seq if self.entry is not None else self.loc.seq if self.loc is not None else 0
+
+
+def _entry_meta(entry: RamEntry, meta: ValueMeta, expires: float) -> RamEntry:
+    entry.pool, entry.pos, entry.tail, entry.fmt, entry.expires = meta.pool, meta.pos, meta.tail, meta.fmt, expires
+    return entry
 
 
 class Store:
@@ -94,7 +123,8 @@ class Store:
             NvmeTier(config.disk_dir, config.disk_bytes, config.segment_bytes) if config.disk_dir else None
         )
         self._lock = threading.Condition(threading.Lock())
-        self._demoting: dict[Key, RamEntry] = {}
+        self._seq = itertools.count(1)  # without a disk; with one, the NVMe tier hands them out
+        self._demoting: dict[Key, RamEntry] = {}  # queued or being written, not superseded
         self._queue: collections.deque[tuple[Key, RamEntry]] = collections.deque()
         self._queue_bytes = 0
         self._closed = False
@@ -121,26 +151,29 @@ class Store:
                 if off is not None:
                     return Reservation(off, size, self.arena.slot(off, size), group)
                 remaining = deadline - time.monotonic()
-                if not self._demoting or remaining <= 0:
+                if not self._queue_bytes or remaining <= 0:
                     self.counters["full"] += 1
                     return Status.FULL
                 self._lock.wait(remaining)
 
-    def commit(self, key: Key, res: Reservation, ttl_s: float = 0.0, pos: int = 0, tail: int = 0) -> None:
-        """Publish a filled reservation. ``pos``: chain position, ``tail``: 1 for a restore
-        point's trailing-window page (both only matter for a pooled reservation; a tail mark
-        is sticky across overwrites within the pool)."""
-        expires = time.time() + ttl_s if ttl_s > 0 else 0.0
-        entry = RamEntry(res.off, res.size, expires)
+    def commit(self, key: Key, res: Reservation, meta: ValueMeta = NO_META) -> None:
+        """Publish a filled reservation with its value-metadata record. For a pooled reservation
+        ``meta.pos`` orders eviction and ``meta.tail`` (1: a restore point's trailing-window page)
+        is sticky across overwrites within the pool."""
+        entry = _entry_meta(RamEntry(res.off, res.size, 0.0), meta, meta.expires_at(time.time()))
         with self._lock:
-            self._forget_older(key)
+            entry.seq = self._next_seq()
+            self._forget_older(key, entry.seq)
+            old = self.ram.index.get(key)
             if res.group is not None:
-                old = self.ram.index.get(key)
-                entry.group, entry.pos = res.group, pos
-                entry.tail = max(tail, old.tail) if old is not None and old.group is res.group else tail
+                entry.group = res.group
+                if old is not None and old.group is res.group:
+                    entry.tail = max(entry.tail, old.tail)
             self.ram.release(self.ram.insert(key, entry))
             self.counters["puts"] += 1
             self.counters["put_bytes"] += res.size
+        if self.nvme is not None:
+            self.nvme.sweep()  # files of segments a tombstone's reservation reclaimed
 
     def abort(self, res: Reservation) -> None:
         with self._lock:
@@ -148,20 +181,21 @@ class Store:
             self._lock.notify_all()
 
     def put(self, key: Key, value: memoryview | bytes, ttl_s: float = 0.0, pool: str | None = None,
-            pos: int = 0, tail: int = 0) -> Status:
+            pos: int = 0, tail: int = 0, fmt: int = 0) -> Status:
         """Store a value held in memory (used by tests and local callers)."""
         res = self.reserve(len(value), (key[0], pool) if pool is not None else None)
         if isinstance(res, Status):
             return res
         res.view[:] = value
-        self.commit(key, res, ttl_s, pos, tail)
+        self.commit(key, res, ValueMeta(pool, pos, tail, ttl_s, fmt))
         return Status.OK
 
     # -- get --------------------------------------------------------------------------------
     def acquire(self, key: Key) -> Hit | None:
         """The value for ``key`` pinned for reading, or None on a miss. Call release(hit)."""
         with self._lock:
-            entry = self.ram.lookup(key, time.time()) or self._demoting.get(key)
+            now = time.time()
+            entry = self.ram.lookup(key, now) or self._queued(key, now)
             if entry is not None:
                 entry.pins += 1
                 self.counters["hits_ram"] += 1
@@ -175,6 +209,13 @@ class Store:
                 if hit.entry.dead:
                     self._lock.notify_all()
 
+    def _queued(self, key: Key, now: float) -> RamEntry | None:
+        """Lock held: the live value of ``key`` waiting for the disk, if any."""
+        e = self._demoting.get(key)
+        if e is None or e.superseded or (e.expires and e.expires <= now):
+            return None
+        return e
+
     def _acquire_from_disk(self, key: Key) -> Hit | None:
         nvme = self.nvme
         loc = nvme.lookup(key) if nvme is not None else None
@@ -183,31 +224,38 @@ class Store:
                 self.counters["misses"] += 1
             return None
         assert nvme is not None
-        off = None
+        off, group = None, None
         if self.config.promote_on_hit:
             with self._lock:
-                off = self._make_room(loc.size)
+                pool = loc.meta.pool
+                group = self._group((key[0], pool)) if pool is not None else None
+                off = self._make_room(loc.size, group)
         if off is None:  # no room to promote: read into a private buffer
             buf = memoryview(bytearray(loc.size))
-            ok = nvme.read(key, loc, buf)
+            ok = nvme.read(key, loc, buf) and nvme.current(key, loc)  # a delete since lookup: a miss
             with self._lock:
                 self.counters["hits_nvme" if ok else "misses"] += 1
-            return Hit(buf, None) if ok else None
+            return Hit(buf, None, loc) if ok else None
         view = self.arena.slot(off, loc.size)
         ok = nvme.read(key, loc, view)
         with self._lock:
-            if not ok:
+            current = self.ram.lookup(key, time.time())
+            if not ok or (current is None and not nvme.current(key, loc)):
+                # unreadable, or deleted / overwritten while we read (and the newer value is not
+                # in RAM): never bring the old one back
                 self.ram.alloc.free_slot(off, loc.size)
                 self.counters["misses"] += 1
-                self.counters["corrupt"] += 1
+                self.counters["corrupt" if not ok else "promotions_dropped"] += 1
+                self._lock.notify_all()
                 return None
             self.counters["hits_nvme"] += 1
-            current = self.ram.lookup(key, time.time())
             if current is not None:  # a put landed while we read: serve the newer value
                 self.ram.alloc.free_slot(off, loc.size)
+                self._lock.notify_all()
                 entry = current
             else:
-                entry = RamEntry(off, loc.size, loc.expires, on_disk=True)
+                entry = _entry_meta(RamEntry(off, loc.size, 0.0, on_disk=True), loc.meta, loc.expires)
+                entry.seq, entry.group = loc.seq, group
                 self.ram.insert(key, entry)
                 self.counters["promotions"] += 1
             entry.pins += 1
@@ -222,26 +270,45 @@ class Store:
             e = self.ram.lookup(key, now)
             if e is not None and tail is not None and e.group is not None and e.tail != tail:
                 e.group.touch(key, e, self.ram.bucket(now), tail)
-            if e is not None or key in self._demoting:
+            if e is not None or self._queued(key, now) is not None:
                 return True
         return self.nvme is not None and self.nvme.contains(key)
 
-    def delete(self, key: Key) -> bool:
+    def delete(self, key: Key, if_seq: int | None = None) -> bool:
+        """Delete ``key`` (True if it was stored). With ``if_seq``, only if the stored value is
+        still the one written with that sequence number (Hit.seq): a handover deletes what it
+        pushed, never a newer value written meanwhile."""
         with self._lock:
-            found = self._forget_older(key)
+            if if_seq is not None and self._current_seq(key) != if_seq:
+                return False
+            found = self._forget_older(key, self._next_seq())
             old = self.ram.pop(key)
             self.ram.release(old)
             self._lock.notify_all()
+        if self.nvme is not None:
+            self.nvme.sweep()
         return found or old is not None
 
-    def _forget_older(self, key: Key) -> bool:
-        """Lock held: make older copies of ``key`` in flight or on disk unreachable."""
-        found = False
-        pending = self._demoting.get(key)
+    def _next_seq(self) -> int:
+        """Lock held: a new sequence number (the NVMe tier's, which survive restarts)."""
+        return self.nvme.next_seq() if self.nvme is not None else next(self._seq)
+
+    def _current_seq(self, key: Key) -> int | None:
+        """Lock held: the sequence number of the value ``key`` maps to now, or None."""
+        e = self.ram.index.get(key) or self._demoting.get(key)
+        if e is not None:
+            return e.seq
+        loc = self.nvme.index.get(key) if self.nvme is not None else None
+        return loc.seq if loc is not None else None
+
+    def _forget_older(self, key: Key, seq: int) -> bool:
+        """Lock held: make older copies of ``key`` in flight or on disk unreachable, now and
+        after a restart (a tombstone with sequence number ``seq``)."""
+        pending = self._demoting.pop(key, None)
         if pending is not None:
-            pending.superseded = True
-            found = True
-        if self.nvme is not None and self.nvme.remove(key):
+            pending.superseded = True  # never served, never indexed; a written record is invalidated
+        found = pending is not None
+        if self.nvme is not None and self.nvme.remove(key, seq, force=pending is not None):
             found = True
         return found
 
@@ -295,6 +362,7 @@ class Store:
 
     def _demote_loop(self) -> None:
         assert self.nvme is not None
+        nvme = self.nvme
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
@@ -302,18 +370,28 @@ class Store:
                 if not self._queue:
                     return
                 key, entry = self._queue.popleft()
+                # Reserved under the lock: a tombstone of a later delete lands after this record.
+                p = None if entry.superseded else nvme.prepare(
+                    key, entry.size, entry.expires, entry.seq, ValueMeta(entry.pool, entry.pos, entry.tail, 0.0,
+                                                                         entry.fmt))
             ok = False
-            try:
-                ok = self.nvme.append(key, self.arena.slot(entry.off, entry.size), entry.expires)
-            except Exception:  # never let the demoter die silently
-                log.exception("demotion of %r failed", key)
+            nvme.sweep()  # files of segments the reservation reclaimed: their space is needed now
+            if p is not None:
+                try:
+                    ok = nvme.write(p, self.arena.slot(entry.off, entry.size))
+                except Exception:  # never let the demoter die silently
+                    log.exception("demotion of %r failed", key)
             with self._lock:
                 if self._demoting.get(key) is entry:
                     del self._demoting[key]
                 self._queue_bytes -= entry.size
-                self.counters["demotions" if ok else "demotion_failures"] += 1
-                if ok and entry.superseded:
-                    self.nvme.remove(key)
+                if entry.superseded:
+                    if ok:
+                        nvme.invalidate(p)  # type: ignore[arg-type]  # deleted or overwritten meanwhile
+                    self.counters["demotions_superseded"] += 1
+                else:
+                    ok = ok and nvme.publish(p)  # type: ignore[arg-type]
+                    self.counters["demotions" if ok else "demotion_failures"] += 1
                 self.ram.release(entry)
                 self._lock.notify_all()
 
@@ -329,9 +407,11 @@ class Store:
         return True
 
     def keys_hottest_first(self) -> list[Key]:
-        """Every live key, RAM most-recently-used first, then disk-only keys (for handover)."""
+        """Every live key, RAM most-recently-used first, then those waiting for the disk, then
+        disk-only keys (for handover)."""
         with self._lock:
             ram = list(reversed(self.ram.index.keys()))
+            ram += [k for k in self._demoting if k not in self.ram.index]
             seen = set(ram)
         disk = [k for k in self.nvme.index_keys() if k not in seen] if self.nvme is not None else []
         return ram + disk
@@ -359,6 +439,7 @@ class Store:
                 disk_keys=len(self.nvme),
                 disk_write_errors=self.nvme.write_errors,
                 disk_corrupt=self.nvme.corrupt,
+                disk_reclaimed_segments=self.nvme.reclaimed_segments,
             )
         return out
 
