@@ -123,12 +123,18 @@ def decode_meta(raw: bytes | memoryview) -> dict[str, Any]:
     return meta
 
 
+_REQUEST_LIMITS: dict[str, Any] = {
+    "raw": False, "strict_map_key": True, "max_map_len": MAX_META_MAP_LEN, "max_array_len": MAX_BATCH_KEYS,
+    "max_str_len": MAX_META_STR_BYTES, "max_bin_len": MAX_META_STR_BYTES, "max_ext_len": 0,
+}
+
+
 def decode_request_meta(raw: bytes | memoryview, max_items: int | None = None) -> dict[str, Any]:
     """Decode a request's metadata under limits, so hostile metadata cannot make the daemon
     build more Python objects than a real request needs: at most MAX_META_MAP_LEN fields per
     map, MAX_BATCH_KEYS items per array, MAX_META_STR_BYTES per string, and (``max_items``)
     that many array items and map fields in all. Raises ValueError naming the limit."""
-    hooks: dict[str, Any] = {}
+    hooks = _REQUEST_LIMITS
     if max_items is not None:
         left = [max_items]
 
@@ -138,15 +144,13 @@ def decode_request_meta(raw: bytes | memoryview, max_items: int | None = None) -
                 raise ValueError(f"more than {max_items} items in all")
             return obj
 
-        hooks = {"list_hook": count, "object_hook": count}
+        hooks = {**_REQUEST_LIMITS, "list_hook": count, "object_hook": count}
     try:
-        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_map_len=MAX_META_MAP_LEN,
-                               max_array_len=MAX_BATCH_KEYS, max_str_len=MAX_META_STR_BYTES,
-                               max_bin_len=MAX_META_STR_BYTES, max_ext_len=0, **hooks)
-    except Exception as exc:  # msgpack raises several unrelated types
+        meta = msgpack.unpackb(raw, **hooks)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise ValueError(f"undecodable or oversized metadata: {exc}") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")
+        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")  # noqa: TRY004 - bad input
     return meta
 
 

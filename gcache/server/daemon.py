@@ -66,18 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
-def return_memory_promptly() -> None:
-    """Fix glibc's mmap threshold at 256 KiB: larger blocks (metadata of big batches) are then
-    always mapped and unmapped, instead of the threshold creeping up after the first free and
-    leaving such blocks in the heap after their connections close."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gcached[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -101,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
             handshake_timeout_s=args.handshake_timeout,
             frame_timeout_s=args.frame_timeout,
         )
-        return_memory_promptly()
         store = Store(config)
         server = DataServer(store, host, int(port), node_id=args.node_id,
                             max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)

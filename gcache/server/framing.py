@@ -1,7 +1,7 @@
 """Reading one request frame's header and metadata under the daemon's limits.
 
 Nothing is allocated for what a peer merely declares: metadata up to SMALL_META bytes lands in
-a per-connection buffer, larger metadata is allocated against the global MetaBudget (and above
+a per-connection buffer (1 KiB, grown once to SMALL_META when needed), larger metadata is allocated against the global MetaBudget (and above
 1 MiB in an anonymous mapping whose pages exist only once bytes arrive, and are returned when
 the request ends). Before HELLO only a HELLO of at most PRE_AUTH_META_BYTES is read. A frame
 that has begun must be complete within ``frame_timeout_s``; an idle, unauthenticated connection
@@ -24,7 +24,7 @@ from gcache.server.admission import AdmissionConfig, MetaBudget
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
-SMALL_META = 4096  # per-connection metadata buffer; larger metadata draws on the budget
+SMALL_META = 16 << 10  # per-connection metadata buffer at most; larger metadata draws on the budget
 MAPPED_META = 1 << 20  # metadata above this is received into an anonymous mapping
 MAX_META_ITEMS = 8 * P.MAX_BATCH_KEYS  # array items and map fields in one request, in all
 
@@ -100,12 +100,11 @@ class FrameReader:
             if meta_len > P.PRE_AUTH_META_BYTES:
                 raise Refused(ErrorCode.AUTH, f"HELLO metadata of {meta_len} bytes exceeds "
                                               f"{P.PRE_AUTH_META_BYTES}", True)
-        deadline = time.monotonic() + self.config.frame_timeout_s
         if meta_len <= SMALL_META:
-            if self._small is None:
-                self._small = memoryview(bytearray(SMALL_META))
+            if self._small is None or len(self._small) < meta_len:
+                self._small = memoryview(bytearray(1024 if meta_len <= 1024 else SMALL_META))
             view = self._small[:meta_len]
-            self._fill(view, deadline)
+            self._fill(view)
             try:
                 return P.decode_request_meta(view)
             except ValueError as exc:
@@ -114,6 +113,7 @@ class FrameReader:
             raise Refused(ErrorCode.BUSY, f"no room for {meta_len} bytes of metadata now (the daemon's metadata "
                                           f"budget is {self.budget.limit} bytes); retry", fatal=True)
         self._held = meta_len
+        deadline = time.monotonic() + self.config.frame_timeout_s
         buf: bytearray | mmap.mmap = bytearray(meta_len) if meta_len <= MAPPED_META else mmap.mmap(-1, meta_len)
         view = memoryview(buf)
         try:
@@ -127,7 +127,7 @@ class FrameReader:
             if isinstance(buf, mmap.mmap):
                 buf.close()
 
-    def _fill(self, view: memoryview, deadline: float) -> None:
+    def _fill(self, view: memoryview, deadline: float | None = None) -> None:
         n = 0
         if self.sock.gettimeout() is None:  # the common case: the metadata came with the header
             try:
@@ -136,7 +136,7 @@ class FrameReader:
                 n = 0
             if n == len(view):
                 return
-        recv_until(self.sock, view[n:], deadline)
+        recv_until(self.sock, view[n:], deadline or time.monotonic() + self.config.frame_timeout_s)
 
     def done(self) -> None:
         """The request is over: give its metadata budget back."""
