@@ -185,8 +185,12 @@ class Handler:
         if self.token is not None and not (isinstance(given, str)
                                            and hmac.compare_digest(given.encode(), self.token.encode())):
             raise Refused(ErrorCode.AUTH, f"{'missing' if given is None else 'wrong'} cluster token", fatal=True)
+        self.mark_authed()
+
+    def mark_authed(self) -> None:
+        """The peer proved the token: it may idle between requests, and it is not shed first."""
         self.authed = True
-        self.sock.settimeout(None)  # authenticated: may idle between requests
+        self.sock.settimeout(None)
         if self.state is not None:
             self.state.authed = True
 
