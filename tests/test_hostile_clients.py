@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 
-from gcache import Client, Status
+from gcache import Client, LocalPath, Status
 from gcache import protocol as P
 from gcache.cluster import LocalCluster
 from gcache.wire import recv_exact
@@ -82,8 +82,8 @@ def closed_by_daemon(sock):
         return True
 
 
-def works(address, token=None):
-    with Client([address], timeout_s=5, token=token) as c:
+def works(address, token=None, local=LocalPath.AUTO):
+    with Client([address], timeout_s=5, token=token, local=local) as c:
         value = os.urandom(10_000)
         return c.put_one("legit", value) is Status.OK and c.get_one("legit") == value
 
@@ -209,7 +209,7 @@ def assert_operator_gets_in(pid, addr):
     r = subprocess.run([sys.executable, "-m", "gcache", "stats", "--nodes", addr, "--json", "--timeout", "5"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and "unreachable" not in r.stdout and "error" not in r.stdout, r.stdout + r.stderr
-    assert works(addr)
+    assert works(addr, local=LocalPath.OFF) and works(addr, local=LocalPath.FORCE)  # over TCP and the local path
 
 
 @pytest.mark.parametrize("how", ["started-low", "lowered-later"])
