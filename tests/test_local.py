@@ -215,13 +215,14 @@ def test_local_socket_is_not_on_the_filesystem_and_requires_the_token(tmp_path):
 
 
 READER_SCRIPT = r"""
-import ctypes, mmap, sys, time
+import ctypes, mmap, os, sys, time
 import numpy as np
 from gcache.client.connection import Connection
 from gcache.server.local import unix_name
 addr, off = sys.argv[1], int(sys.argv[2])
 conn = Connection("n", addr, 2.0, None, unix=unix_name(addr)); conn._timeout = 2.0
 meta, fd = conn.map_arena(time.monotonic() + 2)  # what a reader is handed
+print("mode", oct(os.fstat(fd).st_mode & 0o777), flush=True)  # not 0777: other users cannot reopen it rw
 try:
     mmap.mmap(fd, meta["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     print("mapped writable", flush=True)
@@ -245,6 +246,7 @@ def test_a_readers_arena_mapping_is_read_only(make_cluster):
         p = subprocess.run([sys.executable, "-c", READER_SCRIPT, addr, str(off)], capture_output=True,
                            text=True, timeout=60, check=False)
         assert "cannot map writable" in p.stdout and "reads hello" in p.stdout, p.stdout + p.stderr
+        assert "mode 0o600" in p.stdout
         assert p.returncode == -signal.SIGSEGV and "wrote" not in p.stdout, (p.returncode, p.stdout, p.stderr)
         assert cl.get_one("k") == b"hello" * 1000
     with Client([addr], local=LocalPath.FORCE) as reader:  # a client that only reads maps read-only

@@ -16,6 +16,7 @@ Values that are not in the arena (an NVMe hit that could not be promoted) are se
 LMAP hands out a read-only descriptor of the arena (opened O_RDONLY through /proc/self/fd), which
 cannot be mapped writable; only ``{"rw": true}`` (a client's first local put) gets the writable
 one. A reader's stray write through its mapping faults instead of corrupting others' values.
+The memfd is mode 0600, so only the daemon's user (and root) could reopen it read-write.
 This guards against accidents, not against a token holder: the cluster token is the only
 security boundary, and anyone holding it may read and write every namespace anyway.
 The socket lives in the abstract namespace (``\\0gcache/HOST:PORT``): nothing on disk to clean
@@ -196,6 +197,9 @@ class LocalServer:
         self.store, self.node_id, self.max_payload, self.token = store, node_id, max_payload, token
         self.admission = admission or Admission(AdmissionConfig(), token_required=token is not None)
         self.agent = None
+        # memfds are created mode 0777: anyone handed the read-only descriptor could reopen it
+        # read-write through /proc. 0600 leaves that to the daemon's own user (and root).
+        os.fchmod(store.arena.fd, 0o600)
         # a descriptor of the same pages that cannot be mapped writable (what readers get)
         self.read_only_fd = os.open(f"/proc/self/fd/{store.arena.fd}", os.O_RDONLY | os.O_CLOEXEC)
         self.lease_s = lease_s
