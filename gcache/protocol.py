@@ -7,7 +7,7 @@ A frame is a fixed header, msgpack metadata, then raw payload bytes::
     opcode          u8      (Op)
     flags           u16     (reply bit, error bit)
     request id      u64     (echoed in the reply; lets a connection pipeline requests)
-    meta length     u32     (msgpack map, at most MAX_META_BYTES)
+    meta length     u32     (msgpack map, at most MAX_META_BYTES; PRE_AUTH_META_BYTES before HELLO)
     payload length  u64     (raw value bytes, concatenated in key order)
 
 Batch requests carry ``{"ns": str, "keys": [bytes, ...]}`` plus per-op fields; replies carry
@@ -32,6 +32,9 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = HEADER.size  # 28
 MAX_META_BYTES = 16 << 20
+PRE_AUTH_META_BYTES = 4096  # a HELLO's metadata, the only frame a daemon with a token reads before it
+MAX_META_MAP_LEN = 64  # fields of one map in request metadata
+MAX_META_STR_BYTES = 64 << 10  # one string or byte string in request metadata (keys: MAX_KEY_BYTES)
 MAX_KEY_BYTES = 1024
 MAX_NS_BYTES = 128
 MAX_BATCH_KEYS = 65536
@@ -84,6 +87,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 6
     AUTH = 7  # missing or wrong cluster token
     FENCED = 8  # the node lost its membership lease and is re-registering; treat as unavailable
+    BUSY = 9  # the daemon is at its connection cap or metadata budget; retry later
 
 
 def pack_header(op: int, flags: int, req_id: int, meta_len: int, payload_len: int) -> bytes:
@@ -116,6 +120,37 @@ def decode_meta(raw: bytes | memoryview) -> dict[str, Any]:
         raise ValueError(f"undecodable metadata: {exc}") from None
     if not isinstance(meta, dict):
         raise ValueError(f"metadata must be a map, got {type(meta).__name__}")
+    return meta
+
+
+_REQUEST_LIMITS: dict[str, Any] = {
+    "raw": False, "strict_map_key": True, "max_map_len": MAX_META_MAP_LEN, "max_array_len": MAX_BATCH_KEYS,
+    "max_str_len": MAX_META_STR_BYTES, "max_bin_len": MAX_META_STR_BYTES, "max_ext_len": 0,
+}
+
+
+def decode_request_meta(raw: bytes | memoryview, max_items: int | None = None) -> dict[str, Any]:
+    """Decode a request's metadata under limits, so hostile metadata cannot make the daemon
+    build more Python objects than a real request needs: at most MAX_META_MAP_LEN fields per
+    map, MAX_BATCH_KEYS items per array, MAX_META_STR_BYTES per string, and (``max_items``)
+    that many array items and map fields in all. Raises ValueError naming the limit."""
+    hooks = _REQUEST_LIMITS
+    if max_items is not None:
+        left = [max_items]
+
+        def count(obj: Any) -> Any:
+            left[0] -= len(obj)
+            if left[0] < 0:
+                raise ValueError(f"more than {max_items} items in all")
+            return obj
+
+        hooks = {**_REQUEST_LIMITS, "list_hook": count, "object_hook": count}
+    try:
+        meta = msgpack.unpackb(raw, **hooks)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
+        raise ValueError(f"undecodable or oversized metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")  # noqa: TRY004 - bad input
     return meta
 
 

@@ -212,3 +212,47 @@ def test_local_socket_is_not_on_the_filesystem_and_requires_the_token(tmp_path):
         with pytest.raises(Exception) as err:
             conn.call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)
         assert "token" in str(err.value) or "authentication" in str(err.value)
+
+
+READER_SCRIPT = r"""
+import ctypes, mmap, os, sys, time
+import numpy as np
+from gcache.client.connection import Connection
+from gcache.server.local import unix_name
+addr, off = sys.argv[1], int(sys.argv[2])
+conn = Connection("n", addr, 2.0, None, unix=unix_name(addr)); conn._timeout = 2.0
+meta, fd = conn.map_arena(time.monotonic() + 2)  # what a reader is handed
+print("mode", oct(os.fstat(fd).st_mode & 0o777), flush=True)  # not 0777: other users cannot reopen it rw
+try:
+    mmap.mmap(fd, meta["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    print("mapped writable", flush=True)
+except PermissionError:
+    print("cannot map writable", flush=True)
+mm = mmap.mmap(fd, meta["size"], mmap.MAP_SHARED, mmap.PROT_READ)
+print("reads", bytes(mm[off:off + 5]).decode(), flush=True)
+ctypes.memset(np.frombuffer(mm, np.uint8).ctypes.data + off, ord("X"), 5)  # a stray write
+print("wrote", flush=True)
+"""
+
+
+def test_a_readers_arena_mapping_is_read_only(make_cluster):
+    """README: the cluster token is the only boundary; what the local path adds is that a
+    reader is handed a read-only descriptor, so a stray write through its mapping faults."""
+    c = make_cluster(nodes=1, mem="16MiB")
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.FORCE) as cl:
+        assert cl.put_one("k", b"hello" * 1000) is Status.OK
+        off = raw_local(addr).call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)["off"][0]
+        p = subprocess.run([sys.executable, "-c", READER_SCRIPT, addr, str(off)], capture_output=True,
+                           text=True, timeout=60, check=False)
+        assert "cannot map writable" in p.stdout and "reads hello" in p.stdout, p.stdout + p.stderr
+        assert "mode 0o600" in p.stdout
+        assert p.returncode == -signal.SIGSEGV and "wrote" not in p.stdout, (p.returncode, p.stdout, p.stderr)
+        assert cl.get_one("k") == b"hello" * 1000
+    with Client([addr], local=LocalPath.FORCE) as reader:  # a client that only reads maps read-only
+        assert reader.get_one("k") == b"hello" * 1000
+        assert [v[2].readonly for v in reader._pool._arenas.values()] == [True]
+        assert not reader._pool._rw_arenas
+        assert reader.put_one("k2", b"w" * 100) is Status.OK  # its first put maps writable
+        assert [v[2].readonly for v in reader._pool._rw_arenas.values()] == [False]
+        assert reader.get_one("k2") == b"w" * 100

@@ -175,3 +175,17 @@ def test_daemon_without_ucx_is_refused_clearly(make_cluster):
     c = make_cluster(nodes=1, extra_args=["--no-pretouch"])
     with ucx_client(c, timeout_s=2.0) as client, pytest.raises(GCacheError, match="--ucx"):
         client.get(["k"])
+
+
+def test_an_authenticated_ucx_connection_may_idle_past_the_handshake_timeout(make_cluster, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("ucx-token\n")
+    c = make_cluster(nodes=1, extra_args=["--ucx", "--no-pretouch", "--token-file", str(token),
+                                          "--handshake-timeout", "0.5"])
+    with ucx_env(TLS["tcp"]), ucx_client(c, timeout_s=5.0, token="ucx-token") as client:
+        assert client.put_one("k", b"v") is Status.OK
+        conn = client._pool.get(c.daemons[0].node_id, c.addresses[0])
+        client._pool.put(conn)
+        time.sleep(1.5)  # idle, authenticated: past the handshake timeout on purpose
+        assert conn.idle_ok(), "the daemon closed an authenticated UCX connection that idled"
+        assert client.get_one("k") == b"v"

@@ -234,8 +234,7 @@ class Client:
 
         def local(idxs: list[int], conn: Connection, reply: dict, plen: int, deadline: float) -> None:
             """The daemon reserved slots in its arena (LALLOC): copy the values in, commit."""
-            arena = conn.arena
-            assert arena is not None
+            arena = self._pool.writable_arena(conn, deadline)
             reserved = _statuses(reply, len(idxs), conn.node)
             for i, st, off in zip(idxs, reserved, reply.get("off") or []):
                 if st is Status.OK:

@@ -12,9 +12,9 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from gcache import protocol as P
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
@@ -33,7 +33,8 @@ class Connection:
         self._out: list[Any] = []
         self._out_i = 0
         self._timeout = connect_timeout_s
-        self.arena: memoryview | None = None  # the daemon's arena, mapped (local path only)
+        self.arena: memoryview | None = None  # the daemon's arena, mapped read-only (local path only)
+        self.arena_id = ""  # which incarnation of the daemon's arena that is
         self.last_epoch = 0
         host, _, port = address.rpartition(":")
         with self._io(time.monotonic() + connect_timeout_s):
@@ -70,7 +71,7 @@ class Connection:
             self.sock.settimeout(remaining)
         try:
             yield
-        except socket.timeout:
+        except TimeoutError:
             self.broken = True
             raise CallTimeout(self.node, self._timeout) from None
         except OSError as exc:
@@ -168,9 +169,10 @@ class Connection:
             self.last_epoch = ep
         return reply
 
-    def map_arena(self, deadline: float) -> tuple[dict[str, Any], int]:
-        """LMAP: the daemon's arena memfd (passed over SCM_RIGHTS) and {"size", "id"}."""
-        self.send(P.Op.LMAP, {}, [], deadline, self._timeout)
+    def map_arena(self, deadline: float, writable: bool = False) -> tuple[dict[str, Any], int]:
+        """LMAP: a descriptor of the daemon's arena memfd (passed over SCM_RIGHTS) and {"size",
+        "id"}; a read-only one unless ``writable``."""
+        self.send(P.Op.LMAP, {"rw": True} if writable else {}, [], deadline, self._timeout)
         buf, fds = bytearray(), []
         with self._io(deadline):
             need = P.HEADER_SIZE
@@ -242,7 +244,8 @@ class Pool:
         self.token = token
         self.local = local  # "auto" | "off" | "force"
         self.transport = transport  # "tcp" | "ucx" (gcache.transport.Transport values)
-        self._arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}
+        self._arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}  # read-only mappings
+        self._rw_arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}  # writable ones (puts)
         self._no_local: dict[str, float] = {}  # node -> when the local path last failed
         self.max_idle = max_idle_per_node
         self._idle: dict[str, list[Connection]] = {}
@@ -272,29 +275,50 @@ class Pool:
         return Connection(node, address, self.connect_timeout_s, self.token)
 
     def _local_connection(self, node: str, address: str) -> Connection:
+        """A Unix-socket connection with the daemon's arena mapped read-only (enough for gets;
+        writable_arena() maps it writable on a first put)."""
         from gcache.server.local import unix_name
 
         conn = Connection(node, address, self.connect_timeout_s, self.token, unix=unix_name(address))
         try:
-            meta, fd = conn.map_arena(time.monotonic() + self.connect_timeout_s)
+            conn.arena, conn.arena_id = self._mapped(conn, self._arenas, False)
         except GCacheError:
             conn.close()
             raise
+        return conn
+
+    def writable_arena(self, conn: Connection, deadline: float) -> memoryview:
+        """The arena of ``conn``'s daemon mapped read-write, for copying values into reserved slots."""
+        view, arena_id = self._mapped(conn, self._rw_arenas, True, deadline)
+        if arena_id != conn.arena_id:
+            conn.broken = True
+            raise ProtocolError(f"{conn.node}: the daemon's arena changed under a connection")
+        return view
+
+    def _mapped(self, conn: Connection, cache: dict[str, tuple[str, mmap.mmap, memoryview]], writable: bool,
+                deadline: float | None = None) -> tuple[memoryview, str]:
+        """The arena mapping of ``conn``'s daemon (cached per node and arena incarnation)."""
         with self._lock:
-            cached = self._arenas.get(node)
-            if cached is not None and cached[0] == meta["id"]:
-                os.close(fd)
-                conn.arena = cached[2]
-                return conn
+            cached = cache.get(conn.node)
+        if cached is not None and writable and cached[0] == conn.arena_id:
+            return cached[2], cached[0]  # the writable mapping of this incarnation: no LMAP needed
+        meta, fd = conn.map_arena(deadline or time.monotonic() + self.connect_timeout_s, writable)
+        arena_id = str(meta.get("id"))
+        if cached is not None and cached[0] == arena_id:
+            os.close(fd)
+            return cached[2], arena_id
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
-            mm = mmap.mmap(fd, int(meta["size"]), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, int(meta["size"]), mmap.MAP_SHARED, prot)
+        except (OSError, ValueError, KeyError) as exc:
+            conn.broken = True
+            raise ConnectionFailed(conn.node, f"cannot map the daemon's arena: {exc}") from None
         finally:
             os.close(fd)
         view = memoryview(mm)
         with self._lock:
-            self._arenas[node] = (meta["id"], mm, view)
-        conn.arena = view
-        return conn
+            cache[conn.node] = (arena_id, mm, view)
+        return view, arena_id
 
     def put(self, conn: Connection) -> None:
         if conn.broken or conn._pending:

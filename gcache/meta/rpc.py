@@ -16,6 +16,7 @@ import grpc
 import msgpack
 
 from gcache.errors import ConfigError
+from gcache.ratelog import RateLimitedLog
 
 SERVICE = "gcache.Master"
 TOKEN_HEADER = "x-gcache-token"
@@ -25,6 +26,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive
                    ("grpc.enable_retries", 0)]
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)  # refusals are the caller's doing: a flood of them must not flood the log
 
 
 def pack(obj: Any) -> bytes:
@@ -61,8 +63,8 @@ def guarded(token: str | None, fn: Callable[[dict, grpc.ServicerContext], Any]) 
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         given = dict(context.invocation_metadata()).get(TOKEN_HEADER)
         if not token_ok(token, given):
-            log.warning("refused %s from %s: %s cluster token", fn.__name__, context.peer(),
-                        "missing" if given is None else "wrong")
+            limited.warning("auth", "refused %s from %s: %s cluster token", fn.__name__, context.peer(),
+                            "missing" if given is None else "wrong")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
         if not isinstance(request, dict):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request must be a msgpack map")

@@ -11,6 +11,7 @@ from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.process import stop_on_signals, write_ready
+from gcache.server.admission import AdmissionConfig
 from gcache.server.agent import Agent
 from gcache.server.local import LocalServer
 from gcache.server.server import DataServer
@@ -54,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx", action="store_true",
                    help="also carry the data plane over UCX for clients that ask (Client(transport=Transport.UCX)); "
                         "set up over the TCP port, UCX picks its transports (UCX_TLS; tcp, shared memory, RDMA)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="client connections (TCP and local) held at once; kept below ulimit -n. At the cap an "
+                        "idle or unauthenticated connection makes room for a new one (default %(default)s)")
+    p.add_argument("--meta-budget", default="64MiB",
+                   help="request metadata (keys, sizes) all connections may hold at once (default %(default)s)")
+    p.add_argument("--frame-timeout", type=float, default=10.0,
+                   help="seconds a begun frame's header and metadata may take to arrive (default %(default)s)")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a connection may stay unauthenticated when a token is set (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -73,9 +83,16 @@ def run(args: argparse.Namespace) -> int:
             pool_budgets=tuple(PoolBudget.parse(spec, parse_size(args.mem)) for spec in args.pool_budget),
         )
         token = load_token(args.token_file)
+        admission = AdmissionConfig(
+            max_connections=args.max_connections,
+            fd_headroom=64 + (config.disk_bytes // config.segment_bytes + 1 if config.disk_dir else 0),
+            meta_budget=parse_size(args.meta_budget),
+            handshake_timeout_s=args.handshake_timeout,
+            frame_timeout_s=args.frame_timeout,
+        )
         store = Store(config)
         server = DataServer(store, host, int(port), node_id=args.node_id,
-                            max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token)
+                            max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)
         agent = None
         if args.masters:
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
@@ -86,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_local:
             if args.lease <= 0:
                 raise ConfigError("--lease must be > 0 seconds")
-            local = LocalServer(store, server.address, server.node_id, server.max_payload, token, args.lease)
+            local = LocalServer(store, server.address, server.node_id, server.max_payload, token, args.lease,
+                                server.admission)
             local.agent = agent
         if args.ucx:
             from gcache.transport import ucx

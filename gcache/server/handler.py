@@ -17,16 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 from gcache import protocol as P
 from gcache.protocol import ErrorCode, Op, Status
+from gcache.ratelog import RateLimitedLog
+from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
+from gcache.server.framing import FrameReader, Refused
 from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Store
 from gcache.tier.valuemeta import parse_value_meta
-from gcache.wire import DRAIN_CHUNK, drain, recv_exact, send_all
+from gcache.wire import drain, recv_exact, send_all
 
 if TYPE_CHECKING:
     from gcache.server.agent import Agent
     from gcache.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's first refusal
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 
@@ -36,12 +41,7 @@ def value_meta_list(got: list[Hit | None]) -> list:
     return [h.meta.to_wire() if h is not None else None for h in got]
 
 
-class Refused(Exception):
-    """Refuse the whole request with an ERROR reply; ``fatal`` also closes the connection."""
-
-    def __init__(self, code: ErrorCode, msg: str, fatal: bool = False) -> None:
-        super().__init__(msg)
-        self.code, self.msg, self.fatal = code, msg, fatal
+__all__ = ["Handler", "Refused", "parse_pool_meta"]
 
 
 class Handler:
@@ -50,33 +50,51 @@ class Handler:
     metrics: RequestMetrics | None = None
 
     def __init__(self, sock: socket.socket, store: Store, node_id: str, max_payload: int,
-                 token: str | None = None, agent: Agent | None = None) -> None:
+                 token: str | None = None, agent: Agent | None = None, config: AdmissionConfig | None = None,
+                 budget: MetaBudget | None = None, state: ConnState | None = None) -> None:
         self.sock = sock
         self.store = store
         self.node_id = node_id
         self.max_payload = max_payload
         self.token = token
         self.agent = agent
+        config = config or AdmissionConfig()
+        self.frames = FrameReader(sock, config, budget or MetaBudget(config.meta_budget))
+        self.state = state  # what admission sees of this connection (None: not admitted, e.g. UCX's inner one)
         self.authed = token is None
-        self._hdr = memoryview(bytearray(P.HEADER_SIZE))
-        self._scratch = memoryview(bytearray(DRAIN_CHUNK))
+        if not self.authed:  # an unauthenticated connection may only idle this long
+            sock.settimeout(config.handshake_timeout_s)
+        self._scratch_buf: memoryview | None = None
         self._owner_check = None
         self.req_flags = 0  # flags of the request being served
         self.extra_ops: dict[Op, Any] = {}  # ops a subclass serves (the local path)
 
+    @property
+    def _scratch(self) -> memoryview:
+        if self._scratch_buf is None:
+            self._scratch_buf = memoryview(bytearray(SCRATCH_BYTES))
+        return self._scratch_buf
+
     def serve(self) -> None:
-        """Serve until the peer closes or sends a frame that cannot be trusted."""
-        while True:
-            try:
-                n = self.sock.recv_into(self._hdr)
-            except OSError:
-                return
-            if n == 0:
-                return
-            if n < P.HEADER_SIZE:
-                recv_exact(self.sock, self._hdr[n:])
-            if not self._one_request():
-                return
+        """Serve until the peer closes, stalls mid-frame, or sends a frame that cannot be trusted."""
+        state = self.state
+        try:
+            while self.frames.next_header():
+                if state is None:
+                    if not self._one_request():
+                        return
+                    continue
+                state.active = True
+                try:
+                    if not self._one_request():
+                        return
+                finally:
+                    state.active = False
+                    state.served = True
+                    state.last = time.monotonic()
+        finally:
+            self.frames.close()
+            self._scratch_buf = None
 
     def _one_request(self) -> bool:
         req_id = 0
@@ -85,19 +103,16 @@ class Handler:
         t0 = time.perf_counter()
         try:
             try:
-                version, op, self.req_flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
+                version, op, self.req_flags, req_id, meta_len, payload_len = P.unpack_header(self.frames.hdr)
             except ValueError as exc:
                 raise Refused(ErrorCode.BAD_FRAME, str(exc), fatal=True) from None
             if version != P.VERSION:
                 raise Refused(ErrorCode.BAD_VERSION, f"protocol version {version} not supported (speak {P.VERSION})", True)
             if payload_len > self.max_payload:
                 raise Refused(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {self.max_payload}", True)
-            raw = bytearray(meta_len)
-            recv_exact(self.sock, memoryview(raw))
-            try:
-                meta = P.decode_meta(raw)
-            except ValueError as exc:
-                raise Refused(ErrorCode.BAD_META, str(exc)) from None
+            if not self.authed and payload_len:
+                raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
+            meta = self.frames.read_meta(op, meta_len, self.authed)
             try:
                 op = Op(op)
             except ValueError:
@@ -148,7 +163,7 @@ class Handler:
                 self.metrics.observe(op.name.lower(), t0, len(keys) if isinstance(keys, list) else 0)
             return True
         except Refused as r:
-            log.warning("refused request %d from %s: %s", req_id, self._peer(), r.msg)
+            limited.warning(f"refused-{int(r.code)}", "refused request %d from %s: %s", req_id, self._peer(), r.msg)
             if self.metrics is not None:
                 self.metrics.observe("error", t0)
             try:
@@ -161,22 +176,29 @@ class Handler:
         except OSError:
             return False
         except Exception as exc:  # a bug: answer, then drop this connection only
-            log.exception("internal error on request %d from %s", req_id, self._peer())
+            limited.error("internal", "internal error on request %d from %s", req_id, self._peer(), exc_info=True)
             try:
                 self._reply(0, req_id, {"code": int(ErrorCode.INTERNAL), "msg": f"internal error: {exc}"}, P.FLAG_ERROR)
             except OSError:
                 pass
             return False
+        finally:
+            self.frames.done()
 
     # -- membership ---------------------------------------------------------------------------
     def _hello(self, meta: dict[str, Any]) -> None:
         given = meta.get("token")
         if self.token is not None and not (isinstance(given, str)
                                            and hmac.compare_digest(given.encode(), self.token.encode())):
-            log.warning("refused connection from %s: %s cluster token", self._peer(),
-                        "missing" if given is None else "wrong")
-            raise Refused(ErrorCode.AUTH, "missing or wrong cluster token", fatal=True)
+            raise Refused(ErrorCode.AUTH, f"{'missing' if given is None else 'wrong'} cluster token", fatal=True)
+        self.mark_authed()
+
+    def mark_authed(self) -> None:
+        """The peer proved the token: it may idle between requests, and it is not shed first."""
         self.authed = True
+        self.sock.settimeout(None)
+        if self.state is not None:
+            self.state.authed = True
 
     def _ownership_rule(self, meta: dict[str, Any]):
         """A per-key owner check when the client routed by an older epoch than ours, else None."""

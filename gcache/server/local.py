@@ -12,6 +12,13 @@ copies values directly between the arena and its own buffers: one copy, no socke
   reservations aborted (on disconnect, or when the lease expires), so no slot leaks.
 
 Values that are not in the arena (an NVMe hit that could not be promoted) are sent inline.
+
+LMAP hands out a read-only descriptor of the arena (opened O_RDONLY through /proc/self/fd), which
+cannot be mapped writable; only ``{"rw": true}`` (a client's first local put) gets the writable
+one. A reader's stray write through its mapping faults instead of corrupting others' values.
+The memfd is mode 0600, so only the daemon's user (and root) could reopen it read-write.
+This guards against accidents, not against a token holder: the cluster token is the only
+security boundary, and anyone holding it may read and write every namespace anyway.
 The socket lives in the abstract namespace (``\\0gcache/HOST:PORT``): nothing on disk to clean
 up, and only processes on this host (in this network namespace) can reach it.
 """
@@ -19,6 +26,7 @@ up, and only processes on this host (in this network namespace) can reach it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -26,6 +34,7 @@ from typing import Any
 
 from gcache import protocol as P
 from gcache.protocol import Op, Status
+from gcache.server.admission import Admission, AdmissionConfig, ConnState
 from gcache.server.handler import Handler, Refused, value_meta_list
 from gcache.tier.store import Hit, Reservation, Store
 from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
@@ -49,8 +58,10 @@ class _Lease:
 
 
 class LocalHandler(Handler):
-    def __init__(self, sock: socket.socket, server: LocalServer) -> None:
-        super().__init__(sock, server.store, server.node_id, server.max_payload, server.token, server.agent)
+    def __init__(self, sock: socket.socket, server: LocalServer, state: ConnState | None = None) -> None:
+        adm = server.admission
+        super().__init__(sock, server.store, server.node_id, server.max_payload, server.token, server.agent,
+                         adm.config, adm.budget, state)
         self.server = server
         self.lease_s = server.lease_s
         self._leases: dict[int, _Lease] = {}
@@ -98,9 +109,11 @@ class LocalHandler(Handler):
 
     # -- ops --------------------------------------------------------------------------------
     def _lmap(self, req_id: int, meta: dict[str, Any]) -> None:
-        raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id})
+        """The arena's descriptor: read-only unless ``{"rw": true}`` (a client that puts)."""
+        rw = bool(meta.get("rw"))
+        raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id, "rw": rw})
         head = P.pack_header(Op.LMAP, P.FLAG_REPLY, req_id, len(raw), 0)
-        socket.send_fds(self.sock, [head + raw], [self.store.arena.fd])
+        socket.send_fds(self.sock, [head + raw], [self.store.arena.fd if rw else self.server.read_only_fd])
 
     def _lget(self, req_id: int, meta: dict[str, Any]) -> None:
         ns, keys = self._ns_keys(meta)
@@ -175,11 +188,17 @@ class LocalServer:
     """Accepts local clients on the abstract Unix socket; one thread per connection."""
 
     def __init__(self, store: Store, tcp_address: str, node_id: str, max_payload: int,
-                 token: str | None = None, lease_s: float = 5.0) -> None:
+                 token: str | None = None, lease_s: float = 5.0, admission: Admission | None = None) -> None:
         import secrets
 
         self.store, self.node_id, self.max_payload, self.token = store, node_id, max_payload, token
+        self.admission = admission or Admission(AdmissionConfig(), token_required=token is not None)
         self.agent = None
+        # memfds are created mode 0777: anyone handed the read-only descriptor could reopen it
+        # read-write through /proc. 0600 leaves that to the daemon's own user (and root).
+        os.fchmod(store.arena.fd, 0o600)
+        # a descriptor of the same pages that cannot be mapped writable (what readers get)
+        self.read_only_fd = os.open(f"/proc/self/fd/{store.arena.fd}", os.O_RDONLY | os.O_CLOEXEC)
         self.lease_s = lease_s
         self.arena_id = secrets.token_hex(8)
         self.name = unix_name(tcp_address)
@@ -196,23 +215,24 @@ class LocalServer:
         return self
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._lsock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="gcache-local", daemon=True).start()
+        self.admission.accept_loop(self._lsock, self._spawn, self._stop)
 
-    def _serve(self, sock: socket.socket) -> None:
-        handler = LocalHandler(sock, self)
-        with self._lock:
-            self._handlers.add(handler)
+    def _spawn(self, sock: socket.socket, state: ConnState) -> None:
+        threading.Thread(target=self._serve, args=(sock, state), name="gcache-local", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, state: ConnState) -> None:
         try:
-            handler.serve()
-        finally:
+            handler = LocalHandler(sock, self, state)
             with self._lock:
-                self._handlers.discard(handler)
-            handler.release_all()  # a client that went away leaves no pin or reservation behind
+                self._handlers.add(handler)
+            try:
+                handler.serve()
+            finally:
+                with self._lock:
+                    self._handlers.discard(handler)
+                handler.release_all()  # a client that went away leaves no pin or reservation behind
+        finally:
+            self.admission.release(state)
             sock.close()
 
     def _reap_loop(self) -> None:
@@ -233,6 +253,7 @@ class LocalServer:
         with self._lock:
             for h in self._handlers:
                 shutdown_quietly(h.sock)
+        os.close(self.read_only_fd)
 
 
 

@@ -10,6 +10,7 @@ import logging
 import socket
 import threading
 
+from gcache.server.admission import Admission, AdmissionConfig, ConnState
 from gcache.server.handler import Handler
 from gcache.tier.store import Store
 from gcache.wire import shutdown_quietly, tune
@@ -19,23 +20,24 @@ log = logging.getLogger(__name__)
 
 class DataServer:
     def __init__(self, store: Store, host: str, port: int, node_id: str | None = None,
-                 max_payload: int = 4 << 30, token: str | None = None) -> None:
+                 max_payload: int = 4 << 30, token: str | None = None,
+                 admission: AdmissionConfig | None = None) -> None:
         self.store = store
         self.max_payload = max_payload
         self.token = token
         self.agent = None  # set by the daemon when it has masters
+        # shared with the local server: one connection cap and metadata budget for the daemon
+        self.admission = Admission(admission or AdmissionConfig(), token_required=token is not None)
         self._lsock = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._lsock.getsockname()[:2]
         self.address = f"{self.host}:{self.port}"
         self.node_id = node_id or self.address
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.handler_hooks: list = []  # called with each new connection's Handler (gcache.transport.ucx)
 
     def __repr__(self) -> str:
-        return f"DataServer(node={self.node_id!r}, address={self.address!r}, connections={len(self._conns)})"
+        return f"DataServer(node={self.node_id!r}, address={self.address!r}, {self.admission!r})"
 
     def start(self) -> DataServer:
         self._thread = threading.Thread(target=self.serve_forever, name="gcache-accept", daemon=True)
@@ -43,35 +45,28 @@ class DataServer:
         return self
 
     def serve_forever(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                sock, _ = self._lsock.accept()
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                continue
-            tune(sock)
-            with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._serve_conn, args=(sock,), name="gcache-conn", daemon=True).start()
+        self.admission.accept_loop(self._lsock, self._spawn, self._stopped)
 
-    def _serve_conn(self, sock: socket.socket) -> None:
+    def _spawn(self, sock: socket.socket, state: ConnState) -> None:
+        tune(sock)
+        threading.Thread(target=self._serve_conn, args=(sock, state), name="gcache-conn", daemon=True).start()
+
+    def _serve_conn(self, sock: socket.socket, state: ConnState) -> None:
         try:
-            handler = Handler(sock, self.store, self.node_id, self.max_payload, self.token, self.agent)
+            adm = self.admission
+            handler = Handler(sock, self.store, self.node_id, self.max_payload, self.token, self.agent,
+                              adm.config, adm.budget, state)
             for hook in self.handler_hooks:
                 hook(handler)
             handler.serve()
         finally:
-            with self._lock:
-                self._conns.discard(sock)
+            self.admission.release(state)
             sock.close()
 
     def stop(self) -> None:
         self._stopped.set()
         shutdown_quietly(self._lsock)
         self._lsock.close()
-        with self._lock:
-            for sock in list(self._conns):
-                shutdown_quietly(sock)
+        self.admission.close_all()
         if self._thread is not None:
             self._thread.join(timeout=5)

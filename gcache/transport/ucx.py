@@ -374,8 +374,11 @@ def _serve(handler: Handler, host: str, req_id: int, meta: dict[str, Any]) -> No
         raise Refused(ErrorCode.INTERNAL, f"UCX endpoint to the client failed: {exc}") from None
     handler._reply(Op.UCX_CONNECT, req_id, {"addr": worker.address.tobytes()})
     sock = UcxSocket(worker, ep, 2 * cid + 1, 2 * cid, handler.sock)
-    inner = PlainHandler(sock, handler.store, handler.node_id, handler.max_payload, handler.token, handler.agent)
-    inner.authed = handler.authed  # UCX_CONNECT is only served after HELLO when a token is set
+    # the daemon's limits and this connection's admission state carry over to the UCX side
+    inner = PlainHandler(sock, handler.store, handler.node_id, handler.max_payload, handler.token, handler.agent,
+                         handler.frames.config, handler.frames.budget, handler.state)
+    if handler.authed:  # always: UCX_CONNECT is only served after HELLO when a token is set
+        inner.mark_authed()
     try:
         inner.serve()
     finally:
