@@ -1,13 +1,18 @@
 """The daemon's side of membership: register, heartbeat, fencing, and active handover.
 
 * On start the daemon registers (same node id, a new incarnation each time) and then
-  heartbeats every master each ``heartbeat_s``. A master that no longer knows this incarnation
-  (the node was declared DOWN, or the table restarted) makes the daemon register again.
-* Fencing: the heartbeat thread stamps each loop. If it has not run for ``fence_after_s`` (the
-  process was stopped, or starved), the daemon refuses data requests until a heartbeat has been
-  acknowledged again, re-registering first if it was declared DOWN meanwhile. It therefore never
-  serves keys under an epoch in which it was declared dead. (A master outage alone does not
-  fence: the data plane keeps serving under the last membership.)
+  heartbeats every master each ``heartbeat_s``.
+* Fencing (the rule is gcache.server.lease): the daemon serves only while it holds a lease,
+  renewed by every heartbeat round the Raft leader acknowledges and lost ``fence_after_s``
+  after the last one (the process was stopped or starved, or it is cut off from the leader).
+  When no leader answers, its peers decide whether this is a master outage (serve on under the
+  last membership) or its own partition (fence). A daemon told it was declared down fences at
+  once.
+* Rejoin: an incarnation that was declared down (or that the masters forgot) registers again,
+  through a round the leader answered, and first drops everything it holds, RAM and disk:
+  while it was down its keys were written and deleted on their interim owners, so nothing it
+  held from before is known to be current. A restarted daemon keeps what it recovered from
+  disk only if its previous incarnation was still up (no other node owned its ranges).
 * Handover: whenever a membership arrives in which this node must hand keys over (a node joined
   and took some of its ranges, or this node is draining), it pushes every key it no longer owns
   to the new owner, hottest first, deletes it locally once stored there, and reports
@@ -27,10 +32,14 @@ from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 from gcache.protocol import Status
+from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
+from gcache.server.vouch import ask_peers
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
 HANDOVER_BATCH = 32
+OWNING = ("up", "suspect")
+PROBE_REUSE_S = 0.1  # a peer's question is answered from a master round that started this recently
 
 
 class Agent:
@@ -56,6 +65,12 @@ class Agent:
         self.handovers = 0
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
+        self.mode = Mode.REGISTERING
+        self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
+        self.round_timeout_s = min(0.5, heartbeat_s)
+        self._probe_lock = threading.Lock()  # guards _last_round
+        self._probe_round = threading.Lock()  # one master round at a time for peers' probes
+        self._last_round: tuple[float, bool] = (-1e9, False)  # (sent at, a leader answered)
 
     # -- what the data plane asks -----------------------------------------------------------
     @property
@@ -88,47 +103,81 @@ class Agent:
             self._changed.notify_all()
 
     def _register(self) -> None:
+        """Register a new incarnation. A daemon that had one (it was declared down or forgotten)
+        drops everything first; a fresh process keeps its recovered data only if the previous
+        incarnation still owned its ranges."""
         self._registered.clear()
+        self.mode = Mode.REGISTERING
+        rejoin = self.inc > 0
+        if rejoin:
+            self._drop(f"incarnation {self.inc} was declared down or forgotten")
+        sent_at = time.monotonic()
         out = self.masters.call("Register", {"node": self.node_id, "address": self.address,
                                              "capacity": self.capacity}, timeout_s=5.0)
+        if not rejoin and out.get("was") not in OWNING:
+            self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
         self.inc = int(out["inc"])
         self._apply_membership(out["membership"])
-        self._last_tick = time.monotonic()
+        self._last_tick = sent_at
+        self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
+    def _drop(self, why: str) -> None:
+        n = self.store.drop_all()
+        if n:
+            self.dropped_keys += n
+            log.warning("dropped %d keys held from before (%s): they may have changed meanwhile", n, why)
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set() and not self.left:
-            gap = time.monotonic() - self._last_tick if self._last_tick else 0.0
+            started = time.monotonic()
             try:
-                if not self._registered.is_set():
+                if self.inc == 0:
                     self._register()
                 else:
-                    self._heartbeat(gap)
+                    self._heartbeat()
             except AuthFailed as exc:
                 log.error("%s", exc)
             except GCacheError as exc:
                 log.warning("masters unreachable: %s", exc)
+            # rounds start every heartbeat_s (a slow round, e.g. asking peers, is not followed by
+            # a full extra period, so an outage's lease renewals come often enough)
             with self._changed:
-                self._changed.wait(self.heartbeat_s)
+                self._changed.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
 
-    def _heartbeat(self, gap: float) -> None:
+    def _master_round(self) -> tuple[float, list[dict]]:
         # A lease counts from when its heartbeat was *sent*: an answer to a call made before the
         # process was stopped must not unfence it afterwards.
         sent_at = time.monotonic()
         replies = self.masters.call_all("Heartbeat", {"node": self.node_id, "inc": self.inc, "epoch": self.epoch},
-                                        timeout_s=min(0.5, self.heartbeat_s))
-        if not replies:
-            if gap <= self.fence_after_s:  # masters down, but we were never away: keep serving
-                self._last_tick = sent_at
-            return
-        if not any(r.get("ok") for r in replies):
-            reason = next((r.get("reason") for r in replies if r.get("reason")), "?")
-            log.warning("masters say %s; fencing and registering again", reason)
+                                        timeout_s=self.round_timeout_s)
+        led = any(r.get("leader") for r in replies)
+        with self._probe_lock:
+            if sent_at > self._last_round[0]:
+                self._last_round = (sent_at, led)
+        return sent_at, replies
+
+    def _heartbeat(self) -> None:
+        sent_at, replies = self._master_round()
+        verdict, lead = judge(replies)
+        if verdict is Verdict.REJOIN:
+            assert lead is not None
+            log.warning("the master leader says %s; registering again", lead.get("reason", "?"))
             self._register()
             return
-        epoch = max(int(r["epoch"]) for r in replies)
-        if epoch > self.epoch or any(r.get("handover_pending") for r in replies):
+        if verdict is Verdict.WAIT_FOR_LEADER:
+            self._set_mode(Mode.DOWN, "declared down; fenced until the master leader is reachable to register again")
+            self._registered.clear()
+            return
+        if verdict is Verdict.ASK_PEERS:
+            self._ask_peers(sent_at)
+            return
+        assert lead is not None
+        if not self._registered.is_set():  # the leader acks an incarnation we had given up on
+            self._register()
+            return
+        if int(lead["epoch"]) > self.epoch or lead.get("handover_pending"):
             m = self.masters.membership()
             me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
             if me is None or me["inc"] != self.inc or me["state"] == "down":
@@ -138,6 +187,49 @@ class Agent:
                 return
             self._apply_membership(m)
         self._last_tick = sent_at
+        self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
+
+    def _ask_peers(self, sent_at: float) -> None:
+        """No leader answered: renew the lease only if every peer confirms a master outage."""
+        if not self._registered.is_set():
+            return
+        membership = self.membership
+        peers = {n.node_id: n.address for n in (membership.owners().values() if membership else ())
+                 if n.node_id != self.node_id}
+        answers = ask_peers(peers, self.token, self.round_timeout_s + 0.5) if peers else {}
+        if outage_confirmed(self.epoch, list(answers.values())):
+            self._last_tick = sent_at
+            self._set_mode(Mode.OUTAGE, f"no master leader reachable by this node or its {len(peers)} peers: "
+                                        f"serving under the last membership (epoch {self.epoch})")
+            return
+        why = ("no peers to confirm a master outage" if not peers else
+               ", ".join(f"{n}: {'no answer' if a is None else 'reaches a leader' if a.leader else f'epoch {a.epoch}'}"
+                         for n, a in answers.items() if a is None or a.leader or a.epoch > self.epoch))
+        self._set_mode(Mode.CUT_OFF, f"no master leader reachable and not a confirmed outage ({why}); "
+                                     f"fencing {self.fence_after_s}s after the last acknowledgement")
+
+    def _set_mode(self, mode: Mode, why: str) -> None:
+        if mode is not self.mode:
+            self.mode = mode
+            (log.info if mode is Mode.SERVING else log.warning)("%s: %s", mode.value, why)
+
+    def leader_reachable(self) -> bool:
+        """For a peer's lease probe: whether a master round started just now reached the leader
+        (one round answers every peer that asks at about the same time)."""
+        asked = time.monotonic()
+        with self._probe_lock:
+            at, led = self._last_round
+            if at >= asked - PROBE_REUSE_S:
+                return led
+        with self._probe_round:  # held across the round: concurrent askers wait and reuse it
+            with self._probe_lock:
+                at, led = self._last_round
+            if at >= asked - PROBE_REUSE_S:
+                return led
+            try:
+                return any(r.get("leader") for r in self._master_round()[1])
+            except GCacheError:
+                return False
 
     def _apply_membership(self, m: dict[str, Any]) -> None:
         membership = Membership.from_master(m)

@@ -264,7 +264,10 @@ class Handler:
 
     def _simple(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         if op is Op.PING:
-            return {"node": self.node_id, "v": P.VERSION}
+            out: dict[str, Any] = {"node": self.node_id, "v": P.VERSION}
+            if meta.get("probe") and self.agent is not None:  # a peer's lease probe (gcache.server.vouch)
+                out["lead"] = self.agent.leader_reachable()
+            return out
         if op is Op.STATS:
             stats = self.store.stats()
             if self.metrics is not None and self.metrics.address:
