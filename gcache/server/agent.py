@@ -33,7 +33,8 @@ from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 from gcache.protocol import Status
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
-from gcache.server.vouch import ask_peers
+from gcache.server.touchlog import TouchLog
+from gcache.server.vouch import PeerAsk
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
@@ -66,6 +67,7 @@ class Agent:
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
         self.mode = Mode.REGISTERING
+        self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
         self.round_timeout_s = min(0.5, heartbeat_s)
         self._probe_lock = threading.Lock()  # guards _last_round
@@ -124,6 +126,7 @@ class Agent:
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
     def _drop(self, why: str) -> None:
+        self.touchlog.clear()  # writes seen before are superseded: pushed copies are welcome again
         n = self.store.drop_all()
         if n:
             self.dropped_keys += n
@@ -159,6 +162,8 @@ class Agent:
         return sent_at, replies
 
     def _heartbeat(self) -> None:
+        # cut off or in an outage last round: ask the peers again while this round is waiting
+        early = self._peer_ask() if self.mode in (Mode.OUTAGE, Mode.CUT_OFF) else None
         sent_at, replies = self._master_round()
         verdict, lead = judge(replies)
         if verdict is Verdict.REJOIN:
@@ -171,7 +176,7 @@ class Agent:
             self._registered.clear()
             return
         if verdict is Verdict.ASK_PEERS:
-            self._ask_peers(sent_at)
+            self._ask_peers(sent_at, early)
             return
         assert lead is not None
         if not self._registered.is_set():  # the leader acks an incarnation we had given up on
@@ -189,20 +194,24 @@ class Agent:
         self._last_tick = sent_at
         self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
 
-    def _ask_peers(self, sent_at: float) -> None:
+    def _peer_ask(self) -> PeerAsk:
+        """Start asking the other owners of the last membership whether they reach a leader."""
+        m = self.membership
+        peers = {n.node_id: n.address for n in (m.owners().values() if m else ()) if n.node_id != self.node_id}
+        return PeerAsk(peers, self.token, self.round_timeout_s + 0.5)
+
+    def _ask_peers(self, sent_at: float, ask: PeerAsk | None) -> None:
         """No leader answered: renew the lease only if every peer confirms a master outage."""
         if not self._registered.is_set():
             return
-        membership = self.membership
-        peers = {n.node_id: n.address for n in (membership.owners().values() if membership else ())
-                 if n.node_id != self.node_id}
-        answers = ask_peers(peers, self.token, self.round_timeout_s + 0.5) if peers else {}
+        ask = ask or self._peer_ask()
+        answers = ask.answers()
         if outage_confirmed(self.epoch, list(answers.values())):
-            self._last_tick = sent_at
-            self._set_mode(Mode.OUTAGE, f"no master leader reachable by this node or its {len(peers)} peers: "
+            self._last_tick = min(sent_at, ask.started_at)
+            self._set_mode(Mode.OUTAGE, f"no master leader reachable by this node or its {len(answers)} peers: "
                                         f"serving under the last membership (epoch {self.epoch})")
             return
-        why = ("no peers to confirm a master outage" if not peers else
+        why = ("no peers to confirm a master outage" if not answers else
                ", ".join(f"{n}: {'no answer' if a is None else 'reaches a leader' if a.leader else f'epoch {a.epoch}'}"
                          for n, a in answers.items() if a is None or a.leader or a.epoch > self.epoch))
         self._set_mode(Mode.CUT_OFF, f"no master leader reachable and not a confirmed outage ({why}); "
@@ -241,6 +250,7 @@ class Agent:
             changed = membership.epoch != self.epoch
             self.membership, self._ring, self.epoch = membership, ring, membership.epoch
             self._transition = m.get("transition")
+            self.touchlog.set_handover_open(self._transition is not None)
         if changed:
             with self._changed:
                 self._changed.notify_all()
@@ -271,7 +281,7 @@ class Agent:
                 log.warning("handover for epoch %d failed (%s); will retry", epoch, exc)
 
     def _hand_over(self) -> int:
-        from gcache.client import Client, OnNodeError
+        from gcache.client import Client, LocalPath, OnNodeError
 
         membership = self.membership
         ring = self._ring
@@ -282,7 +292,8 @@ class Agent:
             if ring.owner(ns, key) != self.node_id:
                 by_ns[ns].append(key)
         moved = 0
-        with Client(membership, token=self.token, timeout_s=10.0, on_node_error=OnNodeError.MISS) as client:
+        with Client(membership, token=self.token, timeout_s=10.0, on_node_error=OnNodeError.MISS,
+                    local=LocalPath.OFF) as client:  # over TCP: the receiver checks each pushed copy
             for ns, keys in by_ns.items():
                 for i in range(0, len(keys), HANDOVER_BATCH):
                     moved += self._push(client, ns, keys[i:i + HANDOVER_BATCH])
@@ -293,7 +304,7 @@ class Agent:
         hits = [(k, self.store.acquire((ns, k))) for k in keys]
         present = [(k, h) for k, h in hits if h is not None]
         try:
-            status = client.put([k for k, _ in present], [h.view for _, h in present], namespace=ns)
+            status = client.put([k for k, _ in present], [h.view for _, h in present], namespace=ns, handover=True)
         finally:
             for _, h in present:
                 self.store.release(h)

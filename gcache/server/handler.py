@@ -207,10 +207,14 @@ class Handler:
             raise Refused(ErrorCode.BAD_META, f"PUT {pooled}")
         pool, pos, tail = pooled
         group = (ns, pool) if pool is not None else None
+        log_ = self.agent.touchlog if self.agent is not None else None
+        handover = log_ is not None and bool(meta.get("ho"))  # a previous owner's pushed copies
         status: list[int] = []
         consumed = 0
         for i, (key, size) in enumerate(zip(keys, sizes)):
             st = self._key_status(ns, key)
+            if st is None and log_ is not None and not handover:
+                log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
             res = self.store.reserve(size, group) if st is None else st
             if isinstance(res, Status):
                 drain(self.sock, size, self._scratch)
@@ -221,7 +225,13 @@ class Handler:
                 except BaseException:
                     self.store.abort(res)
                     raise
-                self.store.commit((ns, key), res, ttl, pos[i], tail[i] if tail else 0)
+                args = ((ns, key), res, ttl, pos[i], tail[i] if tail else 0)
+                if handover:
+                    assert log_ is not None  # stored only where no client wrote or deleted it first
+                    if not log_.admit((ns, key), self.store.exists, lambda a=args: self.store.commit(*a)):
+                        self.store.abort(res)  # superseded here: as good as handed over
+                else:
+                    self.store.commit(*args)
                 status.append(int(Status.OK))
             consumed += size
         return {"st": status}, consumed
@@ -255,8 +265,10 @@ class Handler:
         ns, keys = self._ns_keys(meta)
         got, status, sizes = self._acquire_keys(ns, keys)
         hits = [h for h in got if h is not None]
+        reply: dict[str, Any] = {"st": status, "sz": sizes}
+        self._mark_final_misses(ns, keys, status, reply)
         try:
-            self._reply(Op.GET, req_id, {"st": status, "sz": sizes}, 0, [h.view for h in hits])
+            self._reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
             return sum(sizes)
         finally:
             for hit in hits:
@@ -281,11 +293,28 @@ class Handler:
                 raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
             marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
             fn = lambda k: self.store.exists(k, marks.get(k[1]))
+        log_ = self.agent.touchlog if self.agent is not None and op is Op.DELETE else None
         out = []
         for k in keys:
             refused = self._key_status(ns, k)
+            if refused is None and log_ is not None:
+                log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
             out.append(int(refused if refused is not None else (Status.OK if fn((ns, k)) else Status.NOT_FOUND)))
-        return {"st": out}
+        reply: dict[str, Any] = {"st": out}
+        if op is Op.EXISTS:
+            self._mark_final_misses(ns, keys, out, reply)
+        return reply
+
+    def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:
+        """``reply["tomb"]``: positions of misses of keys a client wrote or deleted here lately,
+        which a client must not look up on a previous owner (gcache.server.touchlog)."""
+        if self.agent is None:
+            return
+        log_ = self.agent.touchlog
+        final = [i for i, (k, st) in enumerate(zip(keys, status))
+                 if st == Status.NOT_FOUND and log_.touched((ns, k))]
+        if final:
+            reply["tomb"] = final
 
     @staticmethod
     def _ns_keys(meta: dict[str, Any]) -> tuple[str, list]:

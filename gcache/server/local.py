@@ -114,8 +114,9 @@ class LocalHandler(Handler):
         # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
         # kernel: the abstract socket is only reachable from this host). A copy finished before
         # it cannot have raced a reuse of its slots, so the client may release it one-way.
-        self._reply(Op.LGET, req_id, {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}, 0,
-                    [h.view for h in inline])
+        reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
+        self._mark_final_misses(ns, keys, status, reply)
+        self._reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
         ids = meta.get("ls")
@@ -145,8 +146,11 @@ class LocalHandler(Handler):
         pool, pos, tail = pooled
         group = (ns, pool) if pool is not None else None
         status, offs, reservations = [], [], []
+        log_ = self.agent.touchlog if self.agent is not None else None
         for key, size in zip(keys, sizes):
             refused = self._key_status(ns, key)
+            if refused is None and log_ is not None:
+                log_.touch((ns, key))  # before the write lands (gcache.server.touchlog)
             res = self.store.reserve(size, group) if refused is None else refused
             if isinstance(res, Status):
                 status.append(int(res))
