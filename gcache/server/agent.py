@@ -34,7 +34,7 @@ from gcache.meta.ring import HashRing
 from gcache.protocol import Status
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
-from gcache.server.vouch import PeerAsk
+from gcache.server.vouch import PeerAsk, announce_epoch
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
@@ -120,10 +120,31 @@ class Agent:
             self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
         self.inc = int(out["inc"])
         self._apply_membership(out["membership"])
+        self._await_previous_owners(out["membership"])
         self._last_tick = sent_at
         self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
+
+    def _await_previous_owners(self, m: dict[str, Any]) -> None:
+        """Serve only once the nodes that owned our new ranges know they no longer do: until then
+        a client that has not heard of the change either could still read an old copy there
+        after another one wrote a newer one here. They learn it from the masters at their next
+        heartbeat; told directly (announce_epoch) they refresh at once. One that neither answers
+        nor learns it within fence-after has fenced itself by then (it cannot reach the leader)."""
+        t = m.get("transition") or {}
+        prev = {r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}
+        deadline = time.monotonic() + self.fence_after_s
+        while prev and not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("previous owners %s did not confirm epoch %d within fence-after (%.1fs); serving: "
+                            "they are fenced by now", sorted(prev), self.epoch, self.fence_after_s)
+                return
+            for node in announce_epoch(prev, self.epoch, self.token, min(0.5, remaining)):
+                del prev[node]
+            if prev:
+                self._stop.wait(min(0.02, max(0.0, deadline - time.monotonic())))
 
     def _drop(self, why: str) -> None:
         self.touchlog.clear()  # writes seen before are superseded: pushed copies are welcome again

@@ -277,8 +277,12 @@ class Handler:
     def _simple(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         if op is Op.PING:
             out: dict[str, Any] = {"node": self.node_id, "v": P.VERSION}
-            if meta.get("probe") and self.agent is not None:  # a peer's lease probe (gcache.server.vouch)
-                out["lead"] = self.agent.leader_reachable()
+            if self.agent is not None:
+                ep = meta.get("ep")
+                if isinstance(ep, int) and ep > self.agent.epoch:  # a peer announces a newer epoch
+                    self.agent.note_epoch(ep)
+                if meta.get("probe"):  # a peer's lease probe (gcache.server.vouch)
+                    out["lead"] = self.agent.leader_reachable()
             return out
         if op is Op.STATS:
             stats = self.store.stats()

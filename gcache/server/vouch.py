@@ -1,9 +1,11 @@
-"""Asking peers over the data plane whether they reach a master leader (gcache.server.lease).
+"""Daemon-to-daemon questions over the data plane, all PINGs, peers asked in parallel, each on a
+fresh connection, within one deadline.
 
-The question is a PING carrying ``{"probe": 1}``; a daemon with masters answers ``"lead"``: whether
-a heartbeat round it ran for the question (or one it had just run) reached the Raft leader, and,
-as on every reply, ``"ep"``: the membership epoch it knows. Peers are asked in parallel, each on
-a fresh connection, within one deadline.
+* ``ask_peers``: ``{"probe": 1}`` asks whether the peer reaches a master leader (gcache.server.lease);
+  it answers ``"lead"``: whether a heartbeat round it ran for the question (or had just run)
+  reached the leader, and, as on every reply, ``"ep"``: the membership epoch it knows.
+* ``announce_epoch``: ``{"ep": E}`` tells a peer that epoch E exists; a peer behind it refreshes
+  its membership at once (instead of at its next heartbeat) and says which epoch it now knows.
 """
 
 from __future__ import annotations
@@ -22,20 +24,18 @@ log = logging.getLogger("gcache.agent")
 MAX_PEERS = 16  # asked per round; more owners than this: a random sample
 
 
-def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dict[str, PeerAnswer | None]:
-    """node id -> its answer, or None when it did not answer in time (or could not say)."""
-    if len(peers) > MAX_PEERS:
-        peers = dict(random.sample(sorted(peers.items()), MAX_PEERS))
-    out: dict[str, PeerAnswer | None] = dict.fromkeys(peers)
+def _ping_all(peers: dict[str, str], meta: dict, token: str | None, timeout_s: float) -> dict[str, dict | None]:
+    """node id -> its PING reply's metadata, or None when it did not answer in time."""
+    out: dict[str, dict | None] = dict.fromkeys(peers)
     deadline = time.monotonic() + timeout_s
 
     def ask(node: str, address: str) -> None:
         conn = None
         try:
             conn = Connection(node, address, max(0.05, deadline - time.monotonic()), token)
-            out[node] = PeerAnswer.from_reply(conn.call(P.Op.PING, {"probe": 1}, deadline))
+            out[node] = conn.call(P.Op.PING, meta, deadline)
         except (GCacheError, OSError) as exc:
-            log.debug("peer %s did not answer the lease probe: %s", node, exc)
+            log.debug("peer %s did not answer %s: %s", node, meta, exc)
         finally:
             if conn is not None:
                 conn.close()
@@ -46,6 +46,20 @@ def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dic
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()) + 0.05)
     return dict(out)  # a snapshot: a late answer does not count
+
+
+def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dict[str, PeerAnswer | None]:
+    """node id -> its answer, or None when it did not answer in time (or could not say)."""
+    if len(peers) > MAX_PEERS:
+        peers = dict(random.sample(sorted(peers.items()), MAX_PEERS))
+    return {n: None if r is None else PeerAnswer.from_reply(r)
+            for n, r in _ping_all(peers, {"probe": 1}, token, timeout_s).items()}
+
+
+def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> set[str]:
+    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they know it."""
+    replies = _ping_all(peers, {"ep": epoch}, token, timeout_s)
+    return {n for n, r in replies.items() if r is not None and isinstance(r.get("ep"), int) and r["ep"] >= epoch}
 
 
 class PeerAsk:
