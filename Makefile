@@ -14,11 +14,15 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-# redis-server is a real server used by the router tests (Debian package).
+# redis-server is a real server used by the router tests; iptables (legacy backend) and
+# iproute2 build the fault lab's network namespaces, partitions and packet loss (Debian packages).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@{ command -v iptables-legacy && command -v ip && command -v tc; } >/dev/null 2>&1 || { \
+	  echo "installing iptables and iproute2 (Debian packages, for the fault lab)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null; }
 
 run: venv
 	$(VENV)/bin/gcache bench throughput --quick --nodes 3

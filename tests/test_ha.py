@@ -331,3 +331,27 @@ def test_wrong_token_is_refused_and_the_cluster_is_unaffected(ha):
         with open(d.log_path) as f:
             logs += f.read()
     assert "cluster token" in logs
+
+
+def test_master_outage_alone_fences_nobody(tmp_path):
+    """Issue 16 item 4, the other case: with every master gone nobody can change the
+    membership, so the daemons confirm the outage with each other and keep serving under the
+    last one, well past --fence-after. (A daemon cut off alone fences: tests/test_faultlab.py.)"""
+    fence_after = 0.8
+    with LocalCluster(nodes=2, mem="16MiB", masters=1, root=str(tmp_path / "c"),
+                      extra_args=["--heartbeat", "0.2", "--fence-after", str(fence_after)]) as c:
+        keys = [f"k{i}" for i in range(100)]
+        with Client(c.master_url, token=c.token, timeout_s=1.0) as cl:  # any error raises
+            assert all(s is Status.OK for s in cl.put(keys, [k.encode() for k in keys]))
+            c.kill(0, master=True)
+            t0, reads = time.monotonic(), 0
+            while time.monotonic() - t0 < 3 * fence_after:
+                assert [bytes(g) for g in cl.get(keys)] == [k.encode() for k in keys]
+                reads += 1
+        logs = ""
+        for d in c.daemons:
+            with open(d.log_path) as f:
+                logs += f.read()
+        assert "outage: no master leader reachable" in logs
+        print(f"\nmaster outage: {reads} reads of {len(keys)} keys, all hits, over {3 * fence_after:.1f}s "
+              f"(fence-after {fence_after}s)")

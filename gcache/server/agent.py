@@ -99,6 +99,14 @@ class Agent:
     def wait_registered(self, timeout_s: float) -> bool:
         return self._registered.wait(timeout_s)
 
+    def wait_joined(self, timeout_s: float) -> bool:
+        """For a request that finds the daemon fenced: if a registration is under way (the
+        masters may already route clients here while it waits for the previous owners), wait up
+        to ``timeout_s`` for it; whether the daemon now serves."""
+        if self.mode is not Mode.REGISTERING:
+            return False
+        return self._registered.wait(timeout_s) and not self.fenced
+
     def stop(self) -> None:
         self._stop.set()
         with self._changed:

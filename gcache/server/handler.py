@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
+JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
 
 
 class Refused(Exception):
@@ -103,7 +104,7 @@ class Handler:
             if not self.authed:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             if self.agent is not None and op in DATA_OPS:
-                if self.agent.fenced:
+                if self.agent.fenced and not self.agent.wait_joined(JOIN_WAIT_S):
                     raise Refused(ErrorCode.FENCED, f"node {self.node_id} is fenced (lost its membership lease); "
                                                     "re-registering, treat it as unavailable")
                 self._owner_check = self._ownership_rule(meta)

@@ -195,13 +195,18 @@ class Lab:
                 best = (m, st.get("term") or 0)
         return best[0] if best else None
 
-    def states(self, via: Host | None = None) -> dict[str, tuple[str, int]]:
-        """node id -> (state, incarnation) as the leader (or ``via``) publishes it."""
-        m = via or self.leader()
-        if m is None:
-            return {}
-        st = self.status(m)
-        return {r["id"]: (r["state"], r["inc"]) for r in st.get("membership", {}).get("nodes", [])}
+    def states(self, via: Host | None = None, timeout_s: float = 5.0) -> dict[str, tuple[str, int]]:
+        """node id -> (state, incarnation) as the leader (or ``via``) publishes it; waits out an
+        election (or a status call lost on a busy machine) for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = via or self.leader()
+            st = self.status(m) if m is not None else {}
+            if "membership" in st:
+                return {r["id"]: (r["state"], r["inc"]) for r in st["membership"]["nodes"]}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no master answered with the membership within {timeout_s}s: {st}")
+            time.sleep(0.05)
 
     def serves(self, d: Host, keys: list[str] | None = None) -> dict[str, Any]:
         """One GET straight to daemon ``d`` from the client host: {"served": bool, "fenced": ...}."""
