@@ -206,7 +206,7 @@ def test_flapping_link_never_a_stale_read_and_the_cluster_settles(netlab):
     assert stats["max_read_s"] < lab.config.client_timeout_s + 0.5
 
 
-def test_one_percent_loss_and_1ms_latency_no_false_down(netlab):
+def test_one_percent_loss_1ms_latency_and_a_rate_limit_no_false_down(netlab):
     # timings with room for TCP retransmissions (200 ms minimum RTO) under 1% loss
     lab = netlab(heartbeat_s=0.3, fence_after_s=1.5, suspect_after_s=2.0, down_after_s=3.0)
     # the client's data-plane connections and the daemons' heartbeats go through a delay proxy
@@ -215,6 +215,7 @@ def test_one_percent_loss_and_1ms_latency_no_false_down(netlab):
         lab.delay(d, [(m.ip, 7300) for m in lab.masters], delay_ms=1.0, jitter_ms=0.5)
     for h in lab.net.hosts.values():
         lab.net.loss(h, 0.01)
+    lab.net.rate(lab.client_host, "400mbit")  # and the client's uplink shaped (tbf)
     lab.call("start", keys=200)
     load_running(lab)
     states_seen = set()
@@ -226,7 +227,8 @@ def test_one_percent_loss_and_1ms_latency_no_false_down(netlab):
     bench = lab.call("bench", seconds=1.0, size=64 << 10, batch=16)
     assert all(s in ("up", "suspect") and i == 1 for s, i in states_seen), states_seen
     assert_never_lied(stats)
-    print(f"\n1% loss + 1 ms (+0.5 ms jitter) latency through the delay proxy: states seen {sorted(states_seen)}; "
+    print(f"\n1% loss + 1 ms (+0.5 ms jitter) latency through the delay proxy, client uplink 400 Mbit/s: "
+          f"states seen {sorted(states_seen)}; "
           f"load {stats['reads']} reads in 3 s, slowest {stats['max_read_s'] * 1000:.0f} ms; "
           f"64 KiB x16 batches through the proxy: put {bench['put_MBps']:.1f} MB/s, get {bench['get_MBps']:.1f} MB/s")
     assert bench["put_MBps"] > 0 and bench["get_MBps"] > 0

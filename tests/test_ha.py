@@ -355,3 +355,27 @@ def test_master_outage_alone_fences_nobody(tmp_path):
         assert "outage: no master leader reachable" in logs
         print(f"\nmaster outage: {reads} reads of {len(keys)} keys, all hits, over {3 * fence_after:.1f}s "
               f"(fence-after {fence_after}s)")
+
+
+def test_a_pushed_handover_copy_never_undoes_a_clients_write_or_delete(ha):
+    """The new owner stores a previous owner's pushed copy ("ho") only where no client wrote or
+    deleted the key, and tells clients a miss on such a key is final ("tomb")."""
+    c = ha(nodes=1)
+    node = c.daemons[0]
+    with Client(c.master_url, token=c.token, timeout_s=2.0) as cl:
+        assert cl.put(["new", "gone"], [b"v2", b"v1"]) == [Status.OK, Status.OK]
+        assert cl.delete(["gone"]) == [True]
+        conn = Connection(node.node_id, node.address, 2.0, c.token)
+        deadline = time.monotonic() + 5
+        keys = [b"new", b"gone", b"fresh"]
+        conn.send(P.Op.PUT, {"ns": "default", "keys": keys, "sizes": [2, 2, 2], "ho": 1},
+                  [memoryview(b"v1"), memoryview(b"v0"), memoryview(b"v1")], deadline, 2.0)
+        meta, _ = conn.recv_reply(deadline)
+        assert meta["st"] == [Status.OK] * 3  # superseded counts as handed over: the sender forgets it
+        conn.send(P.Op.GET, {"ns": "default", "keys": keys}, [], deadline, 2.0)
+        meta, plen = conn.recv_reply(deadline)
+        conn.discard(plen, deadline)
+        conn.close()
+        assert meta["st"] == [Status.OK, Status.NOT_FOUND, Status.OK]
+        assert meta.get("tomb") == [1]  # deleted here: no fallback to an older copy
+        assert cl.get(["new", "gone", "fresh"]) == [b"v2", None, b"v1"]
