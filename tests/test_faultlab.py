@@ -68,7 +68,7 @@ def test_daemon_cut_from_every_master_fences_but_a_master_outage_fences_nobody(n
     lab.net.cut(d, *lab.masters)
     assert poll(lambda: lab.serves(d).get("fenced"), cfg.fence_after_s + 2.0), "never fenced"
     fenced_in = time.monotonic() - t_cut
-    assert fenced_in < cfg.fence_after_s + 0.4, f"fenced only after {fenced_in:.2f}s"
+    assert fenced_in < cfg.fence_after_s + 0.5, f"fenced only after {fenced_in:.2f}s"
     while lab.states().get("d0", ("?",))[0] != "down":
         assert not lab.serves(d)["served"], "served again while cut off"
         assert time.monotonic() - t_cut < cfg.down_after_s + 3, "not declared down"
@@ -87,7 +87,7 @@ def test_daemon_cut_from_every_master_fences_but_a_master_outage_fences_nobody(n
           f"declared down after {down_in:.2f}s; load: {stats['reads']} reads, {stats['hits']} hits, "
           f"{stats['puts_ok']} puts, {stats['deletes_ok']} deletes, 0 stale, 0 wrong")
     assert_never_lied(stats)
-    assert "dropped" in lab.log_tail("d0", 200)
+    assert "dropped" in lab.log_tail("d0", 1_000_000)
 
 
 def test_client_cut_from_one_daemon_calls_are_bounded_and_other_keys_hit(netlab):
