@@ -15,8 +15,9 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-# redis-server is a real server used by the router tests (Debian package); systemd-analyze
-# checks deploy/systemd (Debian's systemd package; installing it does not start it here).
+# redis-server is a real server used by the router tests; systemd-analyze checks deploy/systemd
+# (Debian's systemd package; installing it does not start it here); iptables (legacy backend) and
+# iproute2 build the fault lab's network namespaces, partitions and packet loss (Debian packages).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server (Debian package)"; \
@@ -24,6 +25,9 @@ system-deps:
 	@command -v systemd-analyze >/dev/null 2>&1 || { \
 	  echo "installing systemd (Debian package, for systemd-analyze)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; }
+	@{ command -v iptables-legacy && command -v ip && command -v tc; } >/dev/null 2>&1 || { \
+	  echo "installing iptables and iproute2 (Debian packages, for the fault lab)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null; }
 
 run: venv
 	$(VENV)/bin/gcache bench throughput --quick --nodes 3

@@ -17,6 +17,10 @@ ERROR flag carries ``{"code": int, "msg": str}`` and refuses the whole request.
 With a master, requests carry the client's membership epoch ``"ep"`` and replies the daemon's;
 a daemon answers NOT_OWNER for a key it does not own when the client's epoch is older than its
 own (``"fb": 1`` marks a deliberate fallback read from a previous owner during a handover).
+Membership extras: a PUT with ``"ho": 1`` carries a previous owner's handover copies (stored only
+where no client wrote or deleted the key); GET/LGET/EXISTS replies may list in ``"tomb"`` the
+positions of misses that are final (no fallback); a PING may carry ``"ep"`` (a newer epoch exists)
+or ``"probe": 1`` (answer ``"lead"``: do you reach the master leader?). See docs/faults.md.
 """
 
 from __future__ import annotations

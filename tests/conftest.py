@@ -42,3 +42,25 @@ def sigstop(pid, timeout=5.0):
             return
         time.sleep(0.001)
     raise AssertionError(f"process {pid} did not stop within {timeout}s")
+
+
+@pytest.fixture
+def netlab(tmp_path):
+    """Build fault labs (tests.faultlab): ``netlab(**LabConfig fields)`` -> a started Lab of
+    masters, daemons and a client driver, each in its own network namespace. Skips when
+    namespaces cannot be created here (the reason says why); everything is removed afterwards."""
+    from tests.faultlab import Lab, LabConfig, unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"fault lab unavailable: {why}")
+    labs = []
+
+    def make(**config):
+        lab = Lab(str(tmp_path / f"lab{len(labs)}"), LabConfig(**config))
+        labs.append(lab)
+        return lab.start()
+
+    yield make
+    for lab in labs:
+        lab.close()

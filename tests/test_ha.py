@@ -34,8 +34,9 @@ def poll(pred, timeout, every=0.02):
 def ha(tmp_path):
     clusters = []
 
-    def make(nodes=3, mem="32MiB", disk=None):
-        c = LocalCluster(nodes=nodes, mem=mem, disk=disk, masters=3, root=str(tmp_path / f"c{len(clusters)}"))
+    def make(nodes=3, mem="32MiB", disk=None, master_args=()):
+        c = LocalCluster(nodes=nodes, mem=mem, disk=disk, masters=3, root=str(tmp_path / f"c{len(clusters)}"),
+                         master_args=list(master_args))
         clusters.append(c)
         return c.start()
 
@@ -132,13 +133,77 @@ def test_killed_daemon_is_down_fast_misses_are_bounded_and_disk_keys_return(ha):
         assert poll(lambda: states(mc)[victim.node_id] == ("up", 2), 10)
         assert poll(lambda: cl.membership.owners().get(victim.node_id) is not None, 5)
         mine = [i for i, o in enumerate(owners) if o == victim.node_id]
-        hits = poll(lambda: sum(g is not None for g in cl.get([keys[i] for i in mine])) >= on_disk, 10)
+        # its previous incarnation was declared down: what it recovered from disk is not known to
+        # be current (its keys were the interim owners' meanwhile), so it was dropped, not served
+        poll(lambda: mc.membership()["transition"] is None, 10)
         got = cl.get([keys[i] for i in mine])
-        assert all(g is None or bytes(g) == vals[i] for i, g in zip(mine, got))
+        assert all(g is None for g in got), "served values held from before it was declared down"
+        with open(victim.log_path) as f:
+            assert "dropped" in f.read()
         print(f"\ndead daemon DOWN after {detect:.2f} s (down-after 3 s); slowest call meanwhile "
-              f"{slowest * 1000:.0f} ms; after restart {sum(g is not None for g in got)}/{len(mine)} of its keys hit "
-              f"({on_disk} were on its disk)")
-        assert hits
+              f"{slowest * 1000:.0f} ms; after restart none of its {len(mine)} keys served ({on_disk} were on "
+              f"its disk, dropped because it had been declared down)")
+
+
+def test_daemon_restarted_before_it_is_declared_down_keeps_its_disk(ha):
+    # down-after long enough that the restart (with disk recovery) beats it even on a busy machine
+    c = ha(mem="4MiB", disk="128MiB", master_args=["--suspect-after", "10", "--down-after", "20"])
+    mc = master_client(c)
+    keys = [f"k{i}" for i in range(300)]
+    vals = [os.urandom(64 * 1024) for _ in keys]
+    with Client(c.master_url, token=c.token, timeout_s=1.0, on_node_error=OnNodeError.MISS) as cl:
+        for i in range(0, len(keys), 20):
+            assert all(s is Status.OK for s in cl.put(keys[i:i + 20], vals[i:i + 20]))
+        victim = c.daemons[1]
+        mine = [i for i, o in enumerate(cl.owners(keys)) if o == victim.node_id]
+        on_disk = poll(lambda: (s := cl.stats()[victim.node_id])["demote_queue_bytes"] == 0 and s["disk_keys"], 10)
+        assert on_disk > 0
+        c.kill(1)
+        c.restart(1)
+        assert states(mc)[victim.node_id] == ("up", 2)  # never declared down in between
+
+        def enough_back():
+            got = cl.get([keys[i] for i in mine])
+            return got if sum(g is not None for g in got) >= on_disk else None
+        got = poll(enough_back, 10)
+        assert got, f"fewer than the {on_disk} keys on its disk came back"
+        assert all(g is None or bytes(g) == vals[i] for i, g in zip(mine, got))
+
+
+def test_rejoined_node_never_serves_a_value_from_before_it_was_declared_down(ha):
+    """Issue 16 item 5: write v1, SIGSTOP the owner past down-after, write v2 (it goes to the
+    interim owner), SIGCONT, read continuously: never v1."""
+    c = ha()
+    mc = master_client(c)
+    victim = c.daemons[1]
+    with Client(c.master_url, token=c.token, timeout_s=1.0, on_node_error=OnNodeError.MISS) as cl:
+        keys = [f"k{i}" for i in range(400)]
+        mine = [k for k, o in zip(keys, cl.owners(keys)) if o == victim.node_id][:60]
+        assert all(s is Status.OK for s in cl.put(mine, [b"v1"] * len(mine)))
+        sigstop(victim.pid)
+        try:
+            assert poll(lambda: states(mc)[victim.node_id][0] == "down", 8)
+            assert poll(lambda: victim.node_id not in cl.membership.owners(), 3)
+            assert all(s is Status.OK for s in cl.put(mine, [b"v2"] * len(mine)))  # on the interim owners
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        reads, v2_hits, back_at = 0, 0, None
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            got = cl.get(mine)
+            reads += 1
+            assert not any(g is not None and bytes(g) == b"v1" for g in got), "a value from before the DOWN"
+            assert all(g is None or bytes(g) == b"v2" for g in got)
+            v2_hits += sum(g is not None for g in got)
+            if back_at is None and victim.node_id in cl.membership.owners():
+                back_at = reads
+            if back_at is not None and reads > back_at + 50 and mc.membership()["transition"] is None:
+                break
+        assert back_at is not None, "the stopped node never came back"
+        assert states(mc)[victim.node_id] == ("up", 2)
+        got = cl.get(mine)
+        assert sum(g is not None for g in got) >= 0.9 * len(mine)  # v2 was handed over to it
+        print(f"\nrejoin after SIGSTOP: {reads} reads of {len(mine)} keys, {v2_hits} hits, never v1")
 
 
 def test_stopped_daemon_never_serves_under_an_old_epoch(ha):
@@ -266,3 +331,51 @@ def test_wrong_token_is_refused_and_the_cluster_is_unaffected(ha):
         with open(d.log_path) as f:
             logs += f.read()
     assert "cluster token" in logs
+
+
+def test_master_outage_alone_fences_nobody(tmp_path):
+    """Issue 16 item 4, the other case: with every master gone nobody can change the
+    membership, so the daemons confirm the outage with each other and keep serving under the
+    last one, well past --fence-after. (A daemon cut off alone fences: tests/test_faultlab.py.)"""
+    fence_after = 0.8
+    with LocalCluster(nodes=2, mem="16MiB", masters=1, root=str(tmp_path / "c"),
+                      extra_args=["--heartbeat", "0.2", "--fence-after", str(fence_after)]) as c:
+        keys = [f"k{i}" for i in range(100)]
+        with Client(c.master_url, token=c.token, timeout_s=1.0) as cl:  # any error raises
+            assert all(s is Status.OK for s in cl.put(keys, [k.encode() for k in keys]))
+            c.kill(0, master=True)
+            t0, reads = time.monotonic(), 0
+            while time.monotonic() - t0 < 3 * fence_after:
+                assert [bytes(g) for g in cl.get(keys)] == [k.encode() for k in keys]
+                reads += 1
+        logs = ""
+        for d in c.daemons:
+            with open(d.log_path) as f:
+                logs += f.read()
+        assert "outage: no master leader reachable" in logs
+        print(f"\nmaster outage: {reads} reads of {len(keys)} keys, all hits, over {3 * fence_after:.1f}s "
+              f"(fence-after {fence_after}s)")
+
+
+def test_a_pushed_handover_copy_never_undoes_a_clients_write_or_delete(ha):
+    """The new owner stores a previous owner's pushed copy ("ho") only where no client wrote or
+    deleted the key, and tells clients a miss on such a key is final ("tomb")."""
+    c = ha(nodes=1)
+    node = c.daemons[0]
+    with Client(c.master_url, token=c.token, timeout_s=2.0) as cl:
+        assert cl.put(["new", "gone"], [b"v2", b"v1"]) == [Status.OK, Status.OK]
+        assert cl.delete(["gone"]) == [True]
+        conn = Connection(node.node_id, node.address, 2.0, c.token)
+        deadline = time.monotonic() + 5
+        keys = [b"new", b"gone", b"fresh"]
+        conn.send(P.Op.PUT, {"ns": "default", "keys": keys, "sizes": [2, 2, 2], "ho": 1},
+                  [memoryview(b"v1"), memoryview(b"v0"), memoryview(b"v1")], deadline, 2.0)
+        meta, _ = conn.recv_reply(deadline)
+        assert meta["st"] == [Status.OK] * 3  # superseded counts as handed over: the sender forgets it
+        conn.send(P.Op.GET, {"ns": "default", "keys": keys}, [], deadline, 2.0)
+        meta, plen = conn.recv_reply(deadline)
+        conn.discard(plen, deadline)
+        conn.close()
+        assert meta["st"] == [Status.OK, Status.NOT_FOUND, Status.OK]
+        assert meta.get("tomb") == [1]  # deleted here: no fallback to an older copy
+        assert cl.get(["new", "gone", "fresh"]) == [b"v2", None, b"v1"]

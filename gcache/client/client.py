@@ -190,7 +190,7 @@ class Client:
     # -- batch operations -------------------------------------------------------------------
     def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float | Sequence[float] = 0.0,
             namespace: str | None = None, pool: str | None = None, pos: Sequence[int] | None = None,
-            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0) -> list[Status]:
+            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0, handover: bool = False) -> list[Status]:
         """Store values (bytes-like, numpy arrays, CPU or GPU tensors); per-key Status.
 
         A value may also be a list/tuple of buffers, stored as their concatenation (sent
@@ -199,7 +199,9 @@ class Client:
         all keys or one per key), ``pool`` (a daemon pool: own byte budget, prefix-aware
         eviction), ``pos`` (each key's position in its page chain), ``tail`` (1: a restore
         point's trailing-window page) and ``fmt`` (your format tag, an unsigned 32-bit int;
-        one for all or one per key). See gcache.tier.pools."""
+        one for all or one per key). See gcache.tier.pools.
+        ``handover`` is for daemons pushing keys to their new owner: each is stored only where no
+        client has written or deleted it meanwhile (gcache.server.touchlog)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         n = len(keys)
@@ -224,6 +226,8 @@ class Client:
                     meta[field] = [per_key[i] for i in idxs]
                 elif per_key:
                     meta[field] = per_key
+            if handover:
+                meta["ho"] = 1
             if pool is not None:
                 meta["pool"] = pool
             return meta, [part for i in idxs for part in views[i]]
@@ -438,19 +442,20 @@ class Client:
             return
         kbytes = [_key_bytes(k) for k in keys]
         failures: list[GCacheError] = []
+        final: set[int] = set()  # misses the owner says are final: no fallback (gcache.server.touchlog)
         view = self._view
         deadline = time.monotonic() + self.timeout_s
         seen = self._round(op, ns, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
-                           build, finish, status, failures, deadline, local, sizes)
+                           build, finish, status, failures, deadline, local, sizes, final)
         if seen > view.epoch and self._may_refresh():
             self.refresh_membership()
         retry = [i for i, st in enumerate(status) if st is Status.NOT_OWNER]
         if retry and (self._view.epoch > view.epoch or self.refresh_membership()):
             view = self._view
             self._round(op, ns, kbytes, retry, view.ring, view.addr, view.epoch, False,
-                        build, finish, status, failures, deadline, local, sizes)
+                        build, finish, status, failures, deadline, local, sizes, final)
         if fallback and view.prev_ring is not None and view.prev_addr:
-            misses = [i for i, st in enumerate(status) if st is Status.NOT_FOUND]
+            misses = [i for i, st in enumerate(status) if st is Status.NOT_FOUND and i not in final]
             if misses:
                 now = view.ring.owners(ns, [kbytes[i] for i in misses])
                 before = view.prev_ring.owners(ns, [kbytes[i] for i in misses])
@@ -465,7 +470,8 @@ class Client:
                build: Callable[[list[int], list[bytes]], tuple[dict, list]],
                finish: Callable[[list[int], dict, int, Connection, float], None],
                status: list[Status], failures: list[GCacheError], deadline: float,
-               local: Callable | None = None, sizes: Sequence[int] | None = None) -> int:
+               local: Callable | None = None, sizes: Sequence[int] | None = None,
+               final: set[int] | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
         epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead, and
         ``local`` copies through the mapped arena when their reply comes in."""
@@ -480,27 +486,34 @@ class Client:
         epochs = [0]
         sync_jobs: dict[int, tuple[list[int], Connection]] = {}  # not pollable (UCX): posted now, read below
         sending: dict[int, tuple[list[int], Connection]] = {}
+
+        def request(idxs: list[int], conn: Connection) -> tuple[int, dict, list]:
+            meta, payload = build(idxs, [kbytes[i] for i in idxs])
+            if epoch:
+                meta["ep"] = epoch
+            if fallback:
+                meta["fb"] = 1
+            if conn.arena is not None and local is not None:  # the local path: slots, not payload
+                return LOCAL_OPS[op], meta, []
+            return op, meta, payload
+
+        late: list[tuple[str, list[int]]] = []  # owners without an idle connection
         for node, idxs in groups:
             conn = None
             try:
                 if node not in addr:
                     raise ConnectionFailed(node, "no address in the current membership")
-                conn = self._pool.get(node, addr[node])
-                meta, payload = build(idxs, [kbytes[i] for i in idxs])
-                if epoch:
-                    meta["ep"] = epoch
-                if fallback:
-                    meta["fb"] = 1
-                if conn.arena is not None and local is not None:  # the local path: slots, not payload
-                    conn.prepare(LOCAL_OPS[op], meta, [], self.timeout_s)
-                    sending[conn.sock.fileno()] = (idxs, conn)
+                conn = self._pool.idle(node, addr[node])
+                if conn is None:
+                    late.append((node, idxs))
                     continue
+                req_op, meta, payload = request(idxs, conn)
                 if not getattr(conn.sock, "pollable", True):
-                    conn.prepare(op, meta, payload, self.timeout_s)
+                    conn.prepare(req_op, meta, payload, self.timeout_s)
                     conn.send_some(deadline)  # posts the whole frame; completed when the reply is read
                     sync_jobs[id(conn.sock)] = (idxs, conn)
                     continue
-                conn.prepare(op, meta, payload, self.timeout_s)
+                conn.prepare(req_op, meta, payload, self.timeout_s)
                 sending[conn.sock.fileno()] = (idxs, conn)
             except GCacheError as exc:
                 self._failed(idxs, conn, exc, status, failures)
@@ -510,6 +523,9 @@ class Client:
             ep = meta.get("ep")
             if isinstance(ep, int):
                 epochs.append(ep)
+            tomb = meta.get("tomb")
+            if final is not None and isinstance(tomb, list):
+                final.update(idxs[j] for j in tomb if isinstance(j, int) and 0 <= j < len(idxs))
             if conn.arena is not None and local is not None:
                 local(idxs, conn, meta, plen, deadline)  # copy through the mapped arena
             else:
@@ -517,6 +533,25 @@ class Client:
             self._pool.put(conn)
             return True
 
+        def connect_and_call(node: str, idxs: list[int]) -> None:
+            """A new connection is opened in a thread of its own: an owner that does not answer
+            costs only its own keys the connect timeout, not the whole batch."""
+            conn = None
+            try:
+                conn = self._pool.get(node, addr[node])
+                req_op, meta, payload = request(idxs, conn)
+                conn.send(req_op, meta, payload, deadline, self.timeout_s)
+                receive(idxs, conn)
+            except GCacheError as exc:
+                self._failed(idxs, conn, exc, status, failures)
+
+        threads = []
+        if len(late) == 1 and not sending and not sync_jobs:
+            connect_and_call(*late[0])
+        else:
+            threads = [threading.Thread(target=connect_and_call, args=g, daemon=True) for g in late]
+            for t in threads:
+                t.start()
         # Interleave the sends, so every owner receives at once and a stalled owner cannot hold
         # up the others; then read each reply as soon as its owner has started answering.
         receiving = self._poll_loop(sending, select.POLLOUT, deadline, status, failures,
@@ -535,6 +570,8 @@ class Client:
                     self._failed(idxs, conn, CallTimeout(conn.node, self.timeout_s), status, failures)
                 break
         self._poll_loop(receiving, select.POLLIN, deadline, status, failures, receive)
+        for t in threads:
+            t.join()
         return max(epochs)
 
     def staging(self) -> StagingPool:

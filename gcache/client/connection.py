@@ -10,6 +10,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 from gcache import protocol as P
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all, tune
+
+LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 
 
 class Connection:
@@ -217,8 +220,14 @@ class Connection:
     def close(self) -> None:
         self.broken = True
         try:
+            if self._pending and getattr(self.sock, "pollable", True):
+                # A request is still unanswered (timed out, or failed mid-frame): reset rather
+                # than close, so the kernel drops what it has not delivered yet instead of
+                # retransmitting it once the path heals. A write given up on must not land
+                # after a newer one to the same key.
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ABORT)
             self.sock.close()
-        except OSError:
+        except (OSError, AttributeError):
             pass
 
 
@@ -251,7 +260,8 @@ class Pool:
         self._idle: dict[str, list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def get(self, node: str, address: str) -> Connection:
+    def idle(self, node: str, address: str) -> Connection | None:
+        """An idle connection to ``node`` that is still good, or None."""
         with self._lock:
             idle = self._idle.get(node)
             while idle:
@@ -259,6 +269,12 @@ class Pool:
                 if conn.address == address and conn.idle_ok():
                     return conn
                 conn.close()
+        return None
+
+    def get(self, node: str, address: str) -> Connection:
+        conn = self.idle(node, address)
+        if conn is not None:
+            return conn
         if self.transport == "ucx":
             from gcache.transport.ucx import connect
 

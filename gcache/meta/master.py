@@ -141,9 +141,12 @@ class Master:
         if rec is None or rec["inc"] != inc or rec["state"] == "down":
             why = "unknown node" if rec is None else (
                 "stale incarnation" if rec["inc"] != inc else "declared down")
-            return {"ok": False, "reason": why, "epoch": epoch}
+            return {"ok": False, "reason": why, "epoch": epoch, "leader": self.raft.is_leader}
         self._last_seen[node] = (inc, time.monotonic())
-        return {"ok": True, "epoch": epoch, "state": rec["state"], "handover_pending": pending}
+        # "leader": only the leader's failure detector declares nodes DOWN, so a daemon's
+        # membership lease is an acknowledgement from the leader (gcache.server.lease)
+        return {"ok": True, "epoch": epoch, "state": rec["state"], "handover_pending": pending,
+                "leader": self.raft.is_leader}
 
     def _membership(self, at_least: int = 0) -> dict:
         """The local table's membership, once it has applied epoch ``at_least`` (a follower

@@ -57,7 +57,10 @@ class NodeTable:
                             "weight": weight_for(capacity), "state": "up", "inc": inc}
         # every live previous owner may hold keys that now belong to the (re)joined node
         self._changed(before, {n for n in before if n != node})
-        return {"inc": inc, "epoch": self.epoch}
+        # "was": the state of the previous incarnation. Only if it still owned its ranges (up or
+        # suspect) did no other node own them meanwhile, so only then may the daemon keep the data
+        # it holds from before (gcache.server.agent).
+        return {"inc": inc, "epoch": self.epoch, "was": old["state"] if old else None}
 
     def _cmd_set_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         rec = self._get(cmd["node"])

@@ -22,6 +22,13 @@ from pysyncobj.syncobj import SyncObjException
 log = logging.getLogger(__name__)
 
 
+# A leader that has heard from no majority for this long steps down (pysyncobj's default is 30 s).
+# Daemons renew their membership lease only from the leader's acknowledgement, so this bounds how
+# long a leader cut off in a minority can still grant leases: keep --fence-after + this below the
+# masters' --down-after (defaults: 2 s + 0.6 s < 3 s).
+LEADER_FALLBACK_S = 0.6
+
+
 class StateMachine(Protocol):
     def apply(self, cmd: dict[str, Any]) -> dict[str, Any]: ...
     def snapshot(self) -> bytes: ...
@@ -53,7 +60,7 @@ class _Log(SyncObjConsumer):
 
 class RaftGroup:
     def __init__(self, self_addr: str, peers: list[str], password: str, sm: StateMachine,
-                 election_timeout_s: tuple[float, float] = (0.15, 0.3)) -> None:
+                 election_timeout_s: tuple[float, float] = (0.15, 0.3), leader_fallback_s: float = LEADER_FALLBACK_S) -> None:
         if not password:
             raise ValueError("a Raft group needs a password (the cluster token): pysyncobj unpickles its peers' messages")
         conf = SyncObjConf(
@@ -64,6 +71,7 @@ class RaftGroup:
             raftMaxTimeout=election_timeout_s[1],
             appendEntriesPeriod=0.03,
             connectionRetryTime=0.5,
+            leaderFallbackTimeout=leader_fallback_s,
             connectionTimeout=1.0,
             dynamicMembershipChange=False,
             logCompactionMinEntries=2000,

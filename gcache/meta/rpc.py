@@ -22,8 +22,12 @@ SERVICE = "gcache.Master"
 TOKEN_HEADER = "x-gcache-token"
 TOKEN_ENV = "GCACHE_TOKEN"
 MAX_MSG = 64 << 20
+# Reconnect fast after a partition heals: by default a connect attempt may hang for 20 s and the
+# backoff between attempts grows to 2 minutes, long enough for a healthy daemon to be declared
+# down after a one-second network blip.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive_message_length", MAX_MSG),
-                   ("grpc.enable_retries", 0)]
+                   ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)  # refusals are the caller's doing: a flood of them must not flood the log

@@ -1,13 +1,18 @@
 """The daemon's side of membership: register, heartbeat, fencing, and active handover.
 
 * On start the daemon registers (same node id, a new incarnation each time) and then
-  heartbeats every master each ``heartbeat_s``. A master that no longer knows this incarnation
-  (the node was declared DOWN, or the table restarted) makes the daemon register again.
-* Fencing: the heartbeat thread stamps each loop. If it has not run for ``fence_after_s`` (the
-  process was stopped, or starved), the daemon refuses data requests until a heartbeat has been
-  acknowledged again, re-registering first if it was declared DOWN meanwhile. It therefore never
-  serves keys under an epoch in which it was declared dead. (A master outage alone does not
-  fence: the data plane keeps serving under the last membership.)
+  heartbeats every master each ``heartbeat_s``.
+* Fencing (the rule is gcache.server.lease): the daemon serves only while it holds a lease,
+  renewed by every heartbeat round the Raft leader acknowledges and lost ``fence_after_s``
+  after the last one (the process was stopped or starved, or it is cut off from the leader).
+  When no leader answers, its peers decide whether this is a master outage (serve on under the
+  last membership) or its own partition (fence). A daemon told it was declared down fences at
+  once.
+* Rejoin: an incarnation that was declared down (or that the masters forgot) registers again,
+  through a round the leader answered, and first drops everything it holds, RAM and disk:
+  while it was down its keys were written and deleted on their interim owners, so nothing it
+  held from before is known to be current. A restarted daemon keeps what it recovered from
+  disk only if its previous incarnation was still up (no other node owned its ranges).
 * Handover: whenever a membership arrives in which this node must hand keys over (a node joined
   and took some of its ranges, or this node is draining), it pushes every key it no longer owns
   to the new owner, hottest first, deletes it locally once stored there, and reports
@@ -27,10 +32,15 @@ from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 from gcache.protocol import Status
+from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
+from gcache.server.touchlog import TouchLog
+from gcache.server.vouch import PeerAsk, announce_epoch
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
 HANDOVER_BATCH = 32
+OWNING = ("up", "suspect")
+PROBE_REUSE_S = 0.1  # a peer's question is answered from a master round that started this recently
 
 
 class Agent:
@@ -56,6 +66,13 @@ class Agent:
         self.handovers = 0
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
+        self.mode = Mode.REGISTERING
+        self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
+        self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
+        self.round_timeout_s = min(0.5, heartbeat_s)
+        self._probe_lock = threading.Lock()  # guards _last_round
+        self._probe_round = threading.Lock()  # one master round at a time for peers' probes
+        self._last_round: tuple[float, bool] = (-1e9, False)  # (sent at, a leader answered)
 
     # -- what the data plane asks -----------------------------------------------------------
     @property
@@ -82,53 +99,119 @@ class Agent:
     def wait_registered(self, timeout_s: float) -> bool:
         return self._registered.wait(timeout_s)
 
+    def wait_joined(self, timeout_s: float) -> bool:
+        """For a request that finds the daemon fenced: if a registration is under way (the
+        masters may already route clients here while it waits for the previous owners), wait up
+        to ``timeout_s`` for it; whether the daemon now serves."""
+        if self.mode is not Mode.REGISTERING:
+            return False
+        return self._registered.wait(timeout_s) and not self.fenced
+
     def stop(self) -> None:
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
 
     def _register(self) -> None:
+        """Register a new incarnation. A daemon that had one (it was declared down or forgotten)
+        drops everything first; a fresh process keeps its recovered data only if the previous
+        incarnation still owned its ranges."""
         self._registered.clear()
+        self.mode = Mode.REGISTERING
+        rejoin = self.inc > 0
+        if rejoin:
+            self._drop(f"incarnation {self.inc} was declared down or forgotten")
+        sent_at = time.monotonic()
         out = self.masters.call("Register", {"node": self.node_id, "address": self.address,
                                              "capacity": self.capacity}, timeout_s=5.0)
+        if not rejoin and out.get("was") not in OWNING:
+            self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
         self.inc = int(out["inc"])
         self._apply_membership(out["membership"])
-        self._last_tick = time.monotonic()
+        self._await_previous_owners(out["membership"])
+        self._last_tick = sent_at
+        self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
+    def _await_previous_owners(self, m: dict[str, Any]) -> None:
+        """Serve only once the nodes that owned our new ranges know they no longer do: until then
+        a client that has not heard of the change either could still read an old copy there
+        after another one wrote a newer one here. They learn it from the masters at their next
+        heartbeat; told directly (announce_epoch) they refresh at once. One that neither answers
+        nor learns it within fence-after has fenced itself by then (it cannot reach the leader)."""
+        t = m.get("transition") or {}
+        prev = {r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}
+        deadline = time.monotonic() + self.fence_after_s
+        while prev and not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("previous owners %s did not confirm epoch %d within fence-after (%.1fs); serving: "
+                            "they are fenced by now", sorted(prev), self.epoch, self.fence_after_s)
+                return
+            for node in announce_epoch(prev, self.epoch, self.token, min(0.5, remaining)):
+                del prev[node]
+            if prev:
+                self._stop.wait(min(0.02, max(0.0, deadline - time.monotonic())))
+
+    def _drop(self, why: str) -> None:
+        self.touchlog.clear()  # writes seen before are superseded: pushed copies are welcome again
+        n = self.store.drop_all()
+        if n:
+            self.dropped_keys += n
+            log.warning("dropped %d keys held from before (%s): they may have changed meanwhile", n, why)
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set() and not self.left:
-            gap = time.monotonic() - self._last_tick if self._last_tick else 0.0
+            started = time.monotonic()
             try:
-                if not self._registered.is_set():
+                if self.inc == 0:
                     self._register()
                 else:
-                    self._heartbeat(gap)
+                    self._heartbeat()
             except AuthFailed as exc:
                 log.error("%s", exc)
             except GCacheError as exc:
                 log.warning("masters unreachable: %s", exc)
+            # rounds start every heartbeat_s (a slow round, e.g. asking peers, is not followed by
+            # a full extra period, so an outage's lease renewals come often enough)
             with self._changed:
-                self._changed.wait(self.heartbeat_s)
+                self._changed.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
 
-    def _heartbeat(self, gap: float) -> None:
+    def _master_round(self) -> tuple[float, list[dict]]:
         # A lease counts from when its heartbeat was *sent*: an answer to a call made before the
         # process was stopped must not unfence it afterwards.
         sent_at = time.monotonic()
         replies = self.masters.call_all("Heartbeat", {"node": self.node_id, "inc": self.inc, "epoch": self.epoch},
-                                        timeout_s=min(0.5, self.heartbeat_s))
-        if not replies:
-            if gap <= self.fence_after_s:  # masters down, but we were never away: keep serving
-                self._last_tick = sent_at
-            return
-        if not any(r.get("ok") for r in replies):
-            reason = next((r.get("reason") for r in replies if r.get("reason")), "?")
-            log.warning("masters say %s; fencing and registering again", reason)
+                                        timeout_s=self.round_timeout_s)
+        led = any(r.get("leader") for r in replies)
+        with self._probe_lock:
+            if sent_at > self._last_round[0]:
+                self._last_round = (sent_at, led)
+        return sent_at, replies
+
+    def _heartbeat(self) -> None:
+        # cut off or in an outage last round: ask the peers again while this round is waiting
+        early = self._peer_ask() if self.mode in (Mode.OUTAGE, Mode.CUT_OFF) else None
+        sent_at, replies = self._master_round()
+        verdict, lead = judge(replies)
+        if verdict is Verdict.REJOIN:
+            assert lead is not None
+            log.warning("the master leader says %s; registering again", lead.get("reason", "?"))
             self._register()
             return
-        epoch = max(int(r["epoch"]) for r in replies)
-        if epoch > self.epoch or any(r.get("handover_pending") for r in replies):
+        if verdict is Verdict.WAIT_FOR_LEADER:
+            self._set_mode(Mode.DOWN, "declared down; fenced until the master leader is reachable to register again")
+            self._registered.clear()
+            return
+        if verdict is Verdict.ASK_PEERS:
+            self._ask_peers(sent_at, early)
+            return
+        assert lead is not None
+        if not self._registered.is_set():  # the leader acks an incarnation we had given up on
+            self._register()
+            return
+        if int(lead["epoch"]) > self.epoch or lead.get("handover_pending"):
             m = self.masters.membership()
             me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
             if me is None or me["inc"] != self.inc or me["state"] == "down":
@@ -138,6 +221,53 @@ class Agent:
                 return
             self._apply_membership(m)
         self._last_tick = sent_at
+        self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
+
+    def _peer_ask(self) -> PeerAsk:
+        """Start asking the other owners of the last membership whether they reach a leader."""
+        m = self.membership
+        peers = {n.node_id: n.address for n in (m.owners().values() if m else ()) if n.node_id != self.node_id}
+        return PeerAsk(peers, self.token, self.round_timeout_s + 0.5)
+
+    def _ask_peers(self, sent_at: float, ask: PeerAsk | None) -> None:
+        """No leader answered: renew the lease only if every peer confirms a master outage."""
+        if not self._registered.is_set():
+            return
+        ask = ask or self._peer_ask()
+        answers = ask.answers()
+        if outage_confirmed(self.epoch, list(answers.values())):
+            self._last_tick = min(sent_at, ask.started_at)
+            self._set_mode(Mode.OUTAGE, f"no master leader reachable by this node or its {len(answers)} peers: "
+                                        f"serving under the last membership (epoch {self.epoch})")
+            return
+        why = ("no peers to confirm a master outage" if not answers else
+               ", ".join(f"{n}: {'no answer' if a is None else 'reaches a leader' if a.leader else f'epoch {a.epoch}'}"
+                         for n, a in answers.items() if a is None or a.leader or a.epoch > self.epoch))
+        self._set_mode(Mode.CUT_OFF, f"no master leader reachable and not a confirmed outage ({why}); "
+                                     f"fencing {self.fence_after_s}s after the last acknowledgement")
+
+    def _set_mode(self, mode: Mode, why: str) -> None:
+        if mode is not self.mode:
+            self.mode = mode
+            (log.info if mode is Mode.SERVING else log.warning)("%s: %s", mode.value, why)
+
+    def leader_reachable(self) -> bool:
+        """For a peer's lease probe: whether a master round started just now reached the leader
+        (one round answers every peer that asks at about the same time)."""
+        asked = time.monotonic()
+        with self._probe_lock:
+            at, led = self._last_round
+            if at >= asked - PROBE_REUSE_S:
+                return led
+        with self._probe_round:  # held across the round: concurrent askers wait and reuse it
+            with self._probe_lock:
+                at, led = self._last_round
+            if at >= asked - PROBE_REUSE_S:
+                return led
+            try:
+                return any(r.get("leader") for r in self._master_round()[1])
+            except GCacheError:
+                return False
 
     def _apply_membership(self, m: dict[str, Any]) -> None:
         membership = Membership.from_master(m)
@@ -149,6 +279,7 @@ class Agent:
             changed = membership.epoch != self.epoch
             self.membership, self._ring, self.epoch = membership, ring, membership.epoch
             self._transition = m.get("transition")
+            self.touchlog.set_handover_open(self._transition is not None)
         if changed:
             with self._changed:
                 self._changed.notify_all()
@@ -179,7 +310,7 @@ class Agent:
                 log.warning("handover for epoch %d failed (%s); will retry", epoch, exc)
 
     def _hand_over(self) -> int:
-        from gcache.client import Client, OnNodeError
+        from gcache.client import Client, LocalPath, OnNodeError
 
         membership = self.membership
         ring = self._ring
@@ -190,7 +321,8 @@ class Agent:
             if ring.owner(ns, key) != self.node_id:
                 by_ns[ns].append(key)
         moved = 0
-        with Client(membership, token=self.token, timeout_s=10.0, on_node_error=OnNodeError.MISS) as client:
+        with Client(membership, token=self.token, timeout_s=10.0, on_node_error=OnNodeError.MISS,
+                    local=LocalPath.OFF) as client:  # over TCP: the receiver checks each pushed copy
             for ns, keys in by_ns.items():
                 for i in range(0, len(keys), HANDOVER_BATCH):
                     moved += self._push(client, ns, keys[i:i + HANDOVER_BATCH])
@@ -213,7 +345,7 @@ class Agent:
                 sel = [present[i] for i in idxs]
                 status = client.put([k for k, *_ in sel], [h.view for _, h, *_ in sel], namespace=ns, pool=pool,
                                     pos=[m.pos for *_, m, _ in sel], tail=[m.tail for *_, m, _ in sel],
-                                    ttl_s=[m.ttl_s for *_, m, _ in sel], fmt=[m.fmt for *_, m, _ in sel])
+                                    ttl_s=[m.ttl_s for *_, m, _ in sel], fmt=[m.fmt for *_, m, _ in sel], handover=True)
                 pushed += [(k, seq) for (k, _h, _m, seq), st in zip(sel, status) if st is Status.OK]
         finally:
             for _k, h, *_ in present:

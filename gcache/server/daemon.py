@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cluster token file (else $GCACHE_TOKEN); required of clients when set")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default %(default)s)")
     p.add_argument("--fence-after", type=float, default=2.0,
-                   help="refuse data requests after this long without a heartbeat round (default %(default)s)")
+                   help="refuse data requests (FENCED) after this long without an acknowledgement from the master "
+                        "leader, unless every peer confirms a master outage; keep it + 0.6 below the masters' "
+                        "--down-after (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
                         "the address is printed at start-up and written to READY_FILE.metrics")

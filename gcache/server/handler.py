@@ -34,6 +34,7 @@ limited = RateLimitedLog(log)
 SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's first refusal
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
+JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
 
 
 def value_meta_list(got: list[Hit | None]) -> list:
@@ -124,7 +125,7 @@ class Handler:
             if not self.authed:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             if self.agent is not None and op in DATA_OPS:
-                if self.agent.fenced:
+                if self.agent.fenced and not self.agent.wait_joined(JOIN_WAIT_S):
                     raise Refused(ErrorCode.FENCED, f"node {self.node_id} is fenced (lost its membership lease); "
                                                     "re-registering, treat it as unavailable")
                 self._owner_check = self._ownership_rule(meta)
@@ -232,10 +233,14 @@ class Handler:
             raise Refused(ErrorCode.BAD_META, f"PUT {vmeta}")
         pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
+        log_ = self.agent.touchlog if self.agent is not None else None
+        handover = log_ is not None and bool(meta.get("ho"))  # a previous owner's pushed copies
         status: list[int] = []
         consumed = 0
         for i, (key, size) in enumerate(zip(keys, sizes)):
             st = self._key_status(ns, key)
+            if st is None and log_ is not None and not handover:
+                log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
             res = self.store.reserve(size, group) if st is None else st
             if isinstance(res, Status):
                 drain(self.sock, size, self._scratch)
@@ -246,7 +251,13 @@ class Handler:
                 except BaseException:
                     self.store.abort(res)
                     raise
-                self.store.commit((ns, key), res, vmeta[i])
+                args = ((ns, key), res, vmeta[i])
+                if handover:
+                    assert log_ is not None  # stored only where no client wrote or deleted it first
+                    if not log_.admit((ns, key), self.store.exists, lambda a=args: self.store.commit(*a)):
+                        self.store.abort(res)  # superseded here: as good as handed over
+                else:
+                    self.store.commit(*args)
                 status.append(int(Status.OK))
             consumed += size
         return {"st": status}, consumed
@@ -280,8 +291,9 @@ class Handler:
         ns, keys = self._ns_keys(meta)
         got, status, sizes = self._acquire_keys(ns, keys)
         hits = [h for h in got if h is not None]
+        reply: dict[str, Any] = {"st": status, "sz": sizes}
+        self._mark_final_misses(ns, keys, status, reply)
         try:
-            reply: dict[str, Any] = {"st": status, "sz": sizes}
             if meta.get("vm"):  # the client asked for the value-metadata records too
                 reply["vm"] = value_meta_list(got)
             self._reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
@@ -292,7 +304,14 @@ class Handler:
 
     def _simple(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         if op is Op.PING:
-            return {"node": self.node_id, "v": P.VERSION}
+            out: dict[str, Any] = {"node": self.node_id, "v": P.VERSION}
+            if self.agent is not None:
+                ep = meta.get("ep")
+                if isinstance(ep, int) and ep > self.agent.epoch:  # a peer announces a newer epoch
+                    self.agent.note_epoch(ep)
+                if meta.get("probe"):  # a peer's lease probe (gcache.server.vouch)
+                    out["lead"] = self.agent.leader_reachable()
+            return out
         if op is Op.STATS:
             stats = self.store.stats()
             if self.metrics is not None and self.metrics.address:
@@ -306,11 +325,28 @@ class Handler:
                 raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
             marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
             fn = lambda k: self.store.exists(k, marks.get(k[1]))
+        log_ = self.agent.touchlog if self.agent is not None and op is Op.DELETE else None
         out = []
         for k in keys:
             refused = self._key_status(ns, k)
+            if refused is None and log_ is not None:
+                log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
             out.append(int(refused if refused is not None else (Status.OK if fn((ns, k)) else Status.NOT_FOUND)))
-        return {"st": out}
+        reply: dict[str, Any] = {"st": out}
+        if op is Op.EXISTS:
+            self._mark_final_misses(ns, keys, out, reply)
+        return reply
+
+    def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:
+        """``reply["tomb"]``: positions of misses of keys a client wrote or deleted here lately,
+        which a client must not look up on a previous owner (gcache.server.touchlog)."""
+        if self.agent is None:
+            return
+        log_ = self.agent.touchlog
+        final = [i for i, (k, st) in enumerate(zip(keys, status))
+                 if st == Status.NOT_FOUND and log_.touched((ns, k))]
+        if final:
+            reply["tomb"] = final
 
     @staticmethod
     def _ns_keys(meta: dict[str, Any]) -> tuple[str, list]:

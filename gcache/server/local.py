@@ -129,6 +129,7 @@ class LocalHandler(Handler):
         reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
         if meta.get("vm"):
             reply["vm"] = value_meta_list(got)
+        self._mark_final_misses(ns, keys, status, reply)
         self._reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
@@ -156,8 +157,11 @@ class LocalHandler(Handler):
         pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
         status, offs, reservations = [], [], []
+        log_ = self.agent.touchlog if self.agent is not None else None
         for key, size in zip(keys, sizes):
             refused = self._key_status(ns, key)
+            if refused is None and log_ is not None:
+                log_.touch((ns, key))  # before the write lands (gcache.server.touchlog)
             res = self.store.reserve(size, group) if refused is None else refused
             if isinstance(res, Status):
                 status.append(int(res))

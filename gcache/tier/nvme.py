@@ -345,6 +345,15 @@ class NvmeTier:
         self.segments.append(seg)
         return seg
 
+    def drop_all(self) -> int:
+        """Forget every record and remove every segment file; returns the keys forgotten. A
+        write in flight into a removed segment is not indexed (the segment is doomed)."""
+        with self._lock:
+            n = len(self.index)
+            for seg in list(self.segments):
+                self._reclaim(seg)
+            return n
+
     def _reclaim(self, seg: Segment) -> None:
         """Lock held: forget a segment. Its file is removed by sweep(), outside every lock
         (freeing a large file's blocks takes a while); a crash before that brings back only

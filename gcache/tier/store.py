@@ -406,6 +406,25 @@ class Store:
                 self._lock.wait(remaining)
         return True
 
+    def drop_all(self) -> int:
+        """Forget every value: RAM, queued for demotion and on disk (files removed, so a restart
+        does not bring them back either). A daemon that was declared down does this before it
+        serves again. Slots being read are freed by their last reader. Returns the keys dropped."""
+        with self._lock:
+            n = len(self.ram) + len(self._demoting)
+            for key in list(self.ram.index):
+                self.ram.release(self.ram.pop(key))
+            for entry in self._demoting.values():
+                entry.superseded = True  # the demoter still writes it, then removes it again
+            self._demoting.clear()
+            if self.nvme is not None:
+                n += self.nvme.drop_all()
+            self.counters["dropped"] += n
+            self._lock.notify_all()
+        if self.nvme is not None:
+            self.nvme.sweep()  # remove the dropped segments' files now, so a restart cannot find them
+        return n
+
     def keys_hottest_first(self) -> list[Key]:
         """Every live key, RAM most-recently-used first, then those waiting for the disk, then
         disk-only keys (for handover)."""

@@ -1,0 +1,57 @@
+"""gcache.server.touchlog: a handover's pushed copy never undoes a client's write or delete."""
+
+from gcache.server.touchlog import TouchLog
+
+K = ("ns", b"k")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_pushed_copy_is_stored_only_where_no_client_got_there_first():
+    log = TouchLog()
+    stored = []
+    assert log.admit(K, lambda k: False, lambda: stored.append(K))  # untouched, absent: stored
+    assert not log.admit(K, lambda k: True, lambda: stored.append(K))  # present: never overwritten
+    log.touch(("ns", b"deleted"))  # a client deleted it here: absent, but must not come back
+    assert not log.admit(("ns", b"deleted"), lambda k: False, lambda: stored.append("x"))
+    assert stored == [K] and log.refused == 2
+    assert log.touched(("ns", b"deleted")) and not log.touched(K)
+
+
+def test_entries_outlive_their_ttl_while_a_handover_is_open():
+    clock = Clock()
+    log = TouchLog(ttl_s=30, clock=clock)
+    log.touch(K)
+    log.set_handover_open(True)
+    clock.t += 100
+    log.touch(("ns", b"other"))  # pruning runs on every touch
+    assert log.touched(K)  # the handover is still open: a push of K may still come
+    log.set_handover_open(False)
+    assert not log.touched(K) and log.touched(("ns", b"other"))
+
+
+def test_overflow_refuses_every_push_until_the_handover_closes_and_ttl_passes():
+    clock = Clock()
+    log = TouchLog(ttl_s=30, cap=3, clock=clock)
+    log.set_handover_open(True)
+    for i in range(4):
+        log.touch(("ns", bytes([i])))
+    assert len(log) == 0  # forgotten...
+    assert log.touched(("ns", b"never")) and not log.admit(("ns", b"x"), lambda k: False, lambda: None)
+    clock.t += 100
+    assert log.touched(("ns", b"never"))  # ...and vouching for nothing while the handover is open
+    log.set_handover_open(False)
+    assert not log.touched(("ns", b"never"))
+
+
+def test_clear_after_a_drop():
+    log = TouchLog()
+    log.touch(K)
+    log.clear()
+    assert not log.touched(K) and log.admit(K, lambda k: False, lambda: None)
