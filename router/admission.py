@@ -137,7 +137,7 @@ class Admission:
                 return p, None
             d = p.decision
             limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
-            lease = await self.state.acquire(d.worker, limit, p.uncached_tokens, req.hashes)
+            lease = await self.state.acquire(d.worker, limit, p.work_ms, req.hashes)
             if lease is not None:
                 self.metrics.routed(self.policy.name, d.reason.value, req.n_tokens,
                                     req.n_tokens - p.uncached_tokens)
@@ -150,7 +150,8 @@ class Admission:
         if not enc:
             return None
         owner = HashRing(enc).owner(req.media_keys[0])
-        lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, req.n_tokens, req.hashes)
+        work = self.policy.cfg.cost.work(req.n_tokens)
+        lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, work, req.hashes)
         if lease is None:
             return None  # the owner is saturated: fall back to ordinary routing
         self.metrics.routed(self.policy.name, Reason.ENCODER_AFFINITY.value, req.n_tokens, 0)

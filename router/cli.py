@@ -25,10 +25,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N")
+                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N,speed=X")
     p.add_argument("--config", metavar="FILE",
                    help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}')
-    p.add_argument("--policy", choices=sorted(POLICIES), default="gcache", help="routing policy (default: gcache)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig().policy,
+                   help="routing policy (default: %(default)s)")
     p.add_argument("--state", choices=[m.value for m in StateMode], default="memory",
                    help="memory: one replica, no Redis; redis: stateless replicas sharing --redis")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL for --state redis")
@@ -43,10 +44,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt-length ranges for worker groups (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=PrefixConfig().block_tokens,
                    help="tokens per hashed prefix block (default: %(default)s)")
-    p.add_argument("--match-weight", type=float, default=PolicyConfig().match_weight,
-                   help="gcache policy: weight of the prefix-match fraction (default: %(default)s)")
-    p.add_argument("--min-match-blocks", type=int, default=PolicyConfig().min_match_blocks,
-                   help="gcache policy: shorter matches count as none (default: %(default)s)")
+    p.add_argument("--inflight-penalty-ms", type=float, default=PolicyConfig().inflight_penalty_ms,
+                   help="min_ttft: estimated ms added per request already in flight on a worker "
+                        "(default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, help="largest request body accepted (default: 32)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -62,10 +62,15 @@ def parse_worker(arg: str) -> WorkerSpec:
                 d[k] = int(v)
             except ValueError:
                 raise ValueError(f"worker option {k} needs an integer, got {v!r}") from None
+        elif k == "speed":
+            try:
+                d[k] = float(v)
+            except ValueError:
+                raise ValueError(f"worker option speed needs a number, got {v!r}") from None
         elif k == "role":
             d[k] = v
         else:
-            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=")
+            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=")
     return WorkerSpec.from_dict(d)
 
 
@@ -77,7 +82,7 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         workers += [WorkerSpec.from_dict(w) for w in doc.get("workers", [])]
     cfg = RouterConfig(
         policy=a.policy,
-        policy_cfg=PolicyConfig(match_weight=a.match_weight, min_match_blocks=a.min_match_blocks),
+        policy_cfg=PolicyConfig(inflight_penalty_ms=a.inflight_penalty_ms),
         queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait),
         prefix=PrefixConfig(block_tokens=a.block_tokens),
         buckets=BucketConfig.parse(a.buckets),

@@ -9,6 +9,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from router.cost import PrefillCost
+
+# Requests one router fleet sends a worker at once before it queues them: the default of
+# ``serve`` and of the simulator alike, so simulated results are for the setting users run.
+DEFAULT_MAX_INFLIGHT = 64
+
 
 class StateMode(enum.Enum):
     """Where routing state lives: in this process only, or in Redis (shared by replicas)."""
@@ -34,34 +40,33 @@ def _check(cond: bool, msg: str) -> None:
 class PolicyConfig:
     """Knobs of the routing policies.
 
-    match_weight: weight of the prefix-match fraction in the gcache score
-        ``score(w) = match_weight * match_fraction(w) - normalized_load(w)``.
-    min_match_blocks: matches shorter than this many blocks count as zero, so a
-        prefix every request shares (a system prompt) cannot pull all traffic.
-    load_floor_tokens: normalized_load(w) = load(w) / max(max_v load(v), load_floor_tokens);
-        the floor keeps tiny absolute differences from looking like imbalance.
-    decode_tokens_per_request: each in-flight request adds this many tokens of load
-        (its decode work), on top of its not-yet-prefilled uncached tokens.
+    cost: the prefill-time estimate (``router.cost.PrefillCost``) the min_ttft policy and the
+        load accounting use; a worker's pending work is kept in these milliseconds.
+    inflight_penalty_ms: min_ttft adds this per request already in flight on a worker (the
+        decode work interleaved with a new prefill); it also spreads ties toward idle workers.
+    affinity_weight, busy_scale_ms: min_ttft charges a spill's redundant prefill
+        ``affinity_weight + mean pending ms of the other workers / busy_scale_ms`` times.
+    hot_load: a prefix whose warm prefill time is at least this fraction of the interval
+        between its requests is hot: it spills as soon as that shortens time to first token.
     balance_abs_threshold / balance_rel_threshold / cache_threshold: the SGLang-style
         gated policy (imbalanced when max-min > abs and max > rel x min, in requests).
     """
 
-    match_weight: float = 1.5
-    min_match_blocks: int = 2
-    load_floor_tokens: int = 16384
-    decode_tokens_per_request: int = 512
+    cost: PrefillCost = field(default_factory=PrefillCost)
+    inflight_penalty_ms: float = 2.0
+    affinity_weight: float = 8.0
+    busy_scale_ms: float = 10.0
+    hot_load: float = 0.5
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3
 
     def __post_init__(self) -> None:
-        _check(self.match_weight >= 0, f"match_weight must be >= 0, got {self.match_weight}")
-        _check(self.min_match_blocks >= 0, f"min_match_blocks must be >= 0, got {self.min_match_blocks}")
-        _check(self.load_floor_tokens > 0, f"load_floor_tokens must be > 0, got {self.load_floor_tokens}")
-        _check(
-            self.decode_tokens_per_request >= 0,
-            f"decode_tokens_per_request must be >= 0, got {self.decode_tokens_per_request}",
-        )
+        _check(isinstance(self.cost, PrefillCost), f"cost must be a PrefillCost, got {self.cost!r}")
+        _check(self.inflight_penalty_ms >= 0, f"inflight_penalty_ms must be >= 0, got {self.inflight_penalty_ms}")
+        _check(self.affinity_weight >= 0, f"affinity_weight must be >= 0, got {self.affinity_weight}")
+        _check(self.busy_scale_ms > 0, f"busy_scale_ms must be > 0, got {self.busy_scale_ms}")
+        _check(self.hot_load > 0, f"hot_load must be > 0, got {self.hot_load}")
         _check(self.balance_abs_threshold >= 0, "balance_abs_threshold must be >= 0")
         _check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1.0")
         _check(0.0 <= self.cache_threshold <= 1.0, "cache_threshold must be in [0, 1]")
@@ -163,12 +168,15 @@ class WorkerSpec:
     role: "llm" for prefill/decode servers, "encoder" for multimodal encoder servers.
     bucket: index into BucketConfig.ranges, or None to serve every prompt length.
     max_inflight: requests this router fleet sends it at once before queueing.
+    speed: prefill throughput relative to the reference worker of the cost model; a worker
+        with speed 2 is charged half the time for the same work (the load is per capacity).
     """
 
     url: str
     bucket: int | None = None
     role: str = "llm"
-    max_inflight: int = 64
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    speed: float = 1.0
 
     def __post_init__(self) -> None:
         _check(
@@ -178,29 +186,34 @@ class WorkerSpec:
         _check(self.role in ("llm", "encoder"), f"worker role must be 'llm' or 'encoder', got {self.role!r}")
         _check(self.bucket is None or self.bucket >= 0, f"worker bucket must be >= 0, got {self.bucket}")
         _check(self.max_inflight > 0, f"max_inflight must be > 0, got {self.max_inflight}")
+        _check(self.speed > 0, f"worker speed must be > 0, got {self.speed}")
 
     @property
     def name(self) -> str:
         return self.url.rstrip("/")
 
     def to_dict(self) -> dict:
-        return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight}
+        return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight,
+                "speed": self.speed}
 
     @staticmethod
     def from_dict(d: dict) -> WorkerSpec:
         _check(isinstance(d, dict) and isinstance(d.get("url"), str), "worker must be an object with a string 'url'")
         bucket = d.get("bucket")
         _check(bucket is None or isinstance(bucket, int), "worker 'bucket' must be an integer or null")
-        mi = d.get("max_inflight", 64)
-        _check(isinstance(mi, int), "worker 'max_inflight' must be an integer")
-        return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi)
+        mi = d.get("max_inflight", DEFAULT_MAX_INFLIGHT)
+        _check(isinstance(mi, int) and not isinstance(mi, bool), "worker 'max_inflight' must be an integer")
+        speed = d.get("speed", 1.0)
+        _check(isinstance(speed, (int, float)) and not isinstance(speed, bool), "worker 'speed' must be a number")
+        return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi,
+                          speed=float(speed))
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything one router replica needs. See ``gcache-router serve --help``."""
 
-    policy: str = "gcache"
+    policy: str = "min_ttft"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)

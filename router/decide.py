@@ -28,6 +28,7 @@ class Plan:
     bucket: int
     decision: Decision | None = None
     uncached_tokens: int = 0  # on the chosen worker (ROUTED) or the best eligible one (FULL)
+    work_ms: int = 0  # estimated prefill work the chosen worker is charged (ROUTED)
 
 
 def uncached(n_tokens: int, matched_blocks: int, block_tokens: int) -> int:
@@ -43,8 +44,12 @@ def plan(
     block_tokens: int,
     ticket: int = 0,
     key: int = 0,
+    l3_blocks: int = 0,
+    exclude: frozenset[str] = frozenset(),
 ) -> Plan:
-    llm = [s for s in states if s.spec.role == "llm" and s.healthy]
+    """``l3_blocks``: leading blocks of the prompt any worker can load from the shared L3
+    tier; ``exclude``: workers not to use (already tried for this request)."""
+    llm = [s for s in states if s.spec.role == "llm" and s.healthy and s.name not in exclude]
     bucket, names = buckets.group(n_tokens, llm)
     if not names:
         return Plan(Outcome.NO_WORKER, bucket)
@@ -53,7 +58,14 @@ def plan(
     best_match = max(s.matched_blocks for s in group)
     free = [s for s in group if s.inflight_requests < s.spec.max_inflight]
     if not free:
-        return Plan(Outcome.FULL, bucket, None, uncached(n_tokens, best_match, block_tokens))
-    cands = [Candidate(s.name, s.matched_blocks, s.inflight_requests, s.pending_tokens) for s in free]
+        return Plan(Outcome.FULL, bucket, None, uncached(n_tokens, max(best_match, l3_blocks), block_tokens))
+    cands = []
+    for s in free:
+        unc = uncached(n_tokens, s.matched_blocks, block_tokens)
+        l3 = min(unc, max(0, l3_blocks - s.matched_blocks) * block_tokens)
+        cands.append(Candidate(s.name, s.matched_blocks, s.inflight_requests, s.pending_ms, unc, l3, s.spec.speed,
+                               s.match_age_s * 1000.0))
     d = policy.choose(RouteInput(n_blocks, n_tokens, ticket, key), cands)
-    return Plan(Outcome.ROUTED, bucket, d, uncached(n_tokens, d.matched_blocks, block_tokens))
+    c = next(c for c in cands if c.name == d.worker)
+    work = policy.cfg.cost.work(c.uncached_tokens - c.l3_tokens, c.l3_tokens)
+    return Plan(Outcome.ROUTED, bucket, d, c.uncached_tokens - c.l3_tokens, work)

@@ -29,8 +29,8 @@ class RouterMetrics:
                               "estimated_cached_tokens / prompt_tokens since start", registry=r)
         self.worker_inflight = Gauge("gcache_router_worker_inflight_requests",
                                      "In-flight requests per worker (all replicas)", ["worker"], registry=r)
-        self.worker_pending = Gauge("gcache_router_worker_pending_prefill_tokens",
-                                    "Uncached prompt tokens sent and not yet answered", ["worker"], registry=r)
+        self.worker_pending = Gauge("gcache_router_worker_pending_prefill_ms",
+                                    "Estimated prefill work sent and not yet answered (ms)", ["worker"], registry=r)
         self.worker_healthy = Gauge("gcache_router_worker_healthy", "1 if the worker passes health checks",
                                     ["worker"], registry=r)
         self.redis_up = Gauge("gcache_router_redis_up",
@@ -55,7 +55,7 @@ class RouterMetrics:
             g.clear()
         for s in states:
             self.worker_inflight.labels(s.name).set(s.inflight_requests)
-            self.worker_pending.labels(s.name).set(s.pending_tokens)
+            self.worker_pending.labels(s.name).set(s.pending_ms)
             self.worker_healthy.labels(s.name).set(1 if s.healthy else 0)
 
     def render(self) -> bytes:

@@ -92,6 +92,21 @@ class PrefixIndex:
             n += 1
         return n
 
+    def match_age(self, worker: str, hashes: Sequence[int], now: float) -> tuple[int, float]:
+        """(leading blocks held, seconds since the last of them was last requested; inf if none)."""
+        lru = self._lru.get(worker)
+        if not lru:
+            return 0, float("inf")
+        cutoff = now - self.ttl_s
+        n, last = 0, None
+        for h in hashes:
+            t = lru.get(h)
+            if t is None or t < cutoff:
+                break
+            n += 1
+            last = t
+        return n, (now - last) if last is not None else float("inf")
+
     def match_all(self, workers: Iterable[str], hashes: Sequence[int], now: float) -> dict[str, int]:
         return {w: self.match(w, hashes, now) for w in workers}
 

@@ -165,7 +165,7 @@ class Router:
         snap = await self.state.snapshot(())
         return web.json_response({"workers": [
             {**s.spec.to_dict(), "healthy": s.healthy, "inflight_requests": s.inflight_requests,
-             "pending_prefill_tokens": s.pending_tokens} for s in snap
+             "pending_prefill_ms": s.pending_ms} for s in snap
         ]})
 
     async def add_worker(self, request: web.Request) -> web.Response:

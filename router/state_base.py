@@ -16,13 +16,15 @@ from router.config import WorkerSpec
 
 @dataclass(frozen=True)
 class WorkerState:
-    """A worker as seen at one instant: its spec, health, prefix match and load."""
+    """A worker as seen at one instant: its spec, health, prefix match and load
+    (in-flight requests, and pending prefill work in estimated milliseconds)."""
 
     spec: WorkerSpec
     healthy: bool
     matched_blocks: int
     inflight_requests: int
-    pending_tokens: int
+    pending_ms: int
+    match_age_s: float = float("inf")  # since the last matched block was last requested
 
     @property
     def name(self) -> str:
@@ -38,24 +40,28 @@ class Lease:
     """One admitted request's share of a worker's load; released exactly once."""
 
     worker: str
-    tokens: int
+    work_ms: int
     prefilled: bool = False
     released: bool = False
 
 
 @dataclass
 class LoadTable:
-    """Plain per-worker counters (requests, pending prefill tokens); never negative."""
+    """Plain per-worker counters (requests, pending prefill work in ms); never negative."""
 
     reqs: dict[str, int] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
+    work: dict[str, int] = field(default_factory=dict)
 
-    def add(self, worker: str, dreqs: int, dtokens: int) -> None:
+    def add(self, worker: str, dreqs: int, dwork: int) -> None:
         self.reqs[worker] = max(0, self.reqs.get(worker, 0) + dreqs)
-        self.tokens[worker] = max(0, self.tokens.get(worker, 0) + dtokens)
+        self.work[worker] = max(0, self.work.get(worker, 0) + dwork)
 
     def get(self, worker: str) -> tuple[int, int]:
-        return self.reqs.get(worker, 0), self.tokens.get(worker, 0)
+        return self.reqs.get(worker, 0), self.work.get(worker, 0)
+
+    def forget(self, worker: str) -> None:
+        self.reqs.pop(worker, None)
+        self.work.pop(worker, None)
 
     def total_requests(self) -> int:
         return sum(self.reqs.values())
@@ -96,13 +102,13 @@ class RouterState(abc.ABC):
     async def next_ticket(self) -> int: ...
 
     @abc.abstractmethod
-    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
-        """Count one request of ``tokens`` uncached tokens on ``worker`` and record its
+    async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
+        """Count one request of ``work_ms`` estimated prefill work on ``worker`` and record its
         prefix, unless the worker already has ``limit`` in flight (then None)."""
 
     @abc.abstractmethod
     async def prefill_done(self, lease: Lease) -> None:
-        """The worker started answering: its prefill tokens no longer count as pending."""
+        """The worker started answering: its prefill work no longer counts as pending."""
 
     @abc.abstractmethod
     async def release(self, lease: Lease) -> None:

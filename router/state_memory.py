@@ -23,7 +23,7 @@ class MemoryState(RouterState):
         self.ticket = 0
 
     def __repr__(self) -> str:
-        return f"MemoryState(workers={sorted(self.workers)}, reqs={self.loads.reqs}, tokens={self.loads.tokens})"
+        return f"MemoryState(workers={sorted(self.workers)}, reqs={self.loads.reqs}, work={self.loads.work})"
 
     # -- synchronous core, reused by the Redis backend's local mirror -------------------
     def add_worker_sync(self, spec: WorkerSpec) -> None:
@@ -40,27 +40,27 @@ class MemoryState(RouterState):
         out = []
         for name in sorted(self.workers):
             r, t = self.loads.get(name)
-            m = self.index.match(name, hashes, now)
-            out.append(WorkerState(self.workers[name], self.health.get(name, True), m, r, t))
+            m, age = self.index.match_age(name, hashes, now)
+            out.append(WorkerState(self.workers[name], self.health.get(name, True), m, r, t, age))
         return out
 
-    def acquire_sync(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
+    def acquire_sync(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
         if self.loads.get(worker)[0] >= limit:
             return None
-        self.loads.add(worker, 1, tokens)
+        self.loads.add(worker, 1, work_ms)
         self.index.insert(worker, hashes, self.clock())
-        return Lease(worker, tokens)
+        return Lease(worker, work_ms)
 
     def prefill_done_sync(self, lease: Lease) -> None:
         if not lease.prefilled and not lease.released:
             lease.prefilled = True
-            self.loads.add(lease.worker, 0, -lease.tokens)
+            self.loads.add(lease.worker, 0, -lease.work_ms)
 
     def release_sync(self, lease: Lease) -> None:
         if lease.released:
             return
         lease.released = True
-        self.loads.add(lease.worker, -1, 0 if lease.prefilled else -lease.tokens)
+        self.loads.add(lease.worker, -1, 0 if lease.prefilled else -lease.work_ms)
 
     # -- RouterState --------------------------------------------------------------------
     async def add_worker(self, spec: WorkerSpec) -> None:
@@ -83,8 +83,8 @@ class MemoryState(RouterState):
         self.ticket += 1
         return self.ticket
 
-    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
-        return self.acquire_sync(worker, limit, tokens, hashes)
+    async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
+        return self.acquire_sync(worker, limit, work_ms, hashes)
 
     async def prefill_done(self, lease: Lease) -> None:
         self.prefill_done_sync(lease)

@@ -5,7 +5,7 @@ Keys (``ns`` = namespace)::
     ns:workers          HASH  worker name -> JSON WorkerSpec
     ns:down             SET   workers failing health checks
     ns:px:<worker>      ZSET  block hash -> last-seen time (bounded, TTL): the prefix index
-    ns:load:<replica>   HASH  r:<worker> in-flight requests, t:<worker> pending prefill tokens
+    ns:load:<replica>   HASH  r:<worker> in-flight requests, t:<worker> pending prefill work (ms)
     ns:replicas         ZSET  replica id -> last heartbeat (Redis clock)
     ns:rr               INT   round-robin ticket
 
@@ -67,13 +67,15 @@ local out = {}
 for i = 1, #ws, 2 do
   local name = ws[i]
   local reqs, toks = inflight(name)
-  local m, key = 0, ns .. ':px:' .. name
+  local m, key, age = 0, ns .. ':px:' .. name, -1
   for j = 4, #ARGV do
     local s = redis.call('ZSCORE', key, ARGV[j])
     if (not s) or tonumber(s) < now - ttl then break end
     m = m + 1
+    age = now - tonumber(s)
   end
-  out[#out + 1] = {name, ws[i + 1], m, reqs, toks, redis.call('SISMEMBER', ns .. ':down', name)}
+  out[#out + 1] = {name, ws[i + 1], m, reqs, toks, redis.call('SISMEMBER', ns .. ':down', name),
+                   tostring(age)}
 end
 return out
 """
@@ -277,11 +279,13 @@ class RedisState(RouterState):
                 self._lost(e)
             else:
                 out = []
-                for name, spec_json, m, reqs, toks, down in rows:
+                for name, spec_json, m, reqs, toks, down, age in rows:
                     spec = WorkerSpec.from_dict(json.loads(spec_json))
                     if spec.name not in self.local.workers:
                         self.local.add_worker_sync(spec)  # learnt from another replica
-                    out.append(WorkerState(spec, not down, int(m), int(reqs), int(toks)))
+                    age_s = float(age)
+                    out.append(WorkerState(spec, not down, int(m), int(reqs), int(toks),
+                                           age_s if age_s >= 0 else float("inf")))
                 known = {s.name for s in out}
                 for gone in [w for w in self.local.workers if w not in known]:
                     self.local.remove_worker_sync(gone)  # removed through another replica
@@ -296,11 +300,11 @@ class RedisState(RouterState):
                 self._lost(e)
         return await self.local.next_ticket()
 
-    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
+    async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
         if self._up:
             try:
                 ok = await self._scripts["acq"](args=[
-                    self.ns, self.replica, worker, limit, tokens, self.lease_s,
+                    self.ns, self.replica, worker, limit, work_ms, self.lease_s,
                     self.prefix.max_blocks_per_worker, self.prefix.ttl_s, *hashes,
                 ])
             except _REDIS_ERRORS as e:
@@ -310,8 +314,8 @@ class RedisState(RouterState):
                     return None
                 # mirror locally; the local limit check cannot refuse what Redis admitted
                 self._version += 1
-                return self.local.acquire_sync(worker, 1 << 60, tokens, hashes)
-        lease = self.local.acquire_sync(worker, limit, tokens, hashes)
+                return self.local.acquire_sync(worker, 1 << 60, work_ms, hashes)
+        lease = self.local.acquire_sync(worker, limit, work_ms, hashes)
         if lease is not None:
             self._version += 1
             self._missed.append((worker, tuple(hashes)))
@@ -322,12 +326,12 @@ class RedisState(RouterState):
             return
         self.local.prefill_done_sync(lease)
         self._version += 1
-        await self._adjust(lease.worker, 0, -lease.tokens)
+        await self._adjust(lease.worker, 0, -lease.work_ms)
 
     async def release(self, lease: Lease) -> None:
         if lease.released:
             return
-        dtok = 0 if lease.prefilled else -lease.tokens
+        dtok = 0 if lease.prefilled else -lease.work_ms
         self.local.release_sync(lease)
         self._version += 1
         await self._adjust(lease.worker, -1, dtok)

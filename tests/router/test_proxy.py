@@ -29,7 +29,7 @@ async def fleet(n=3, cfg=None, specs=None):
 
 
 async def inflight_total(router):
-    return sum(s.inflight_requests + s.pending_tokens for s in await router.state.snapshot(()))
+    return sum(s.inflight_requests + s.pending_ms for s in await router.state.snapshot(()))
 
 
 async def counters_zero(router):
@@ -68,7 +68,7 @@ def test_streaming_passes_through_chunk_by_chunk():
                 got = await r.content.readuntil(b"\n\n")  # arrives while the worker still holds the rest
                 assert json.loads(got[len(b"data: "):]) == {"i": 0, "worker": "w0"}
                 snap = await router.state.snapshot(())
-                assert snap[0].inflight_requests == 1 and snap[0].pending_tokens == 0  # prefill done
+                assert snap[0].inflight_requests == 1 and snap[0].pending_ms == 0  # prefill done
                 fake.gate.set()
                 got = await r.content.readuntil(b"\n\n")
                 assert b'"i": 1' in got

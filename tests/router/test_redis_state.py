@@ -19,7 +19,7 @@ async def replicas(redis_url, n_workers=3, n_replicas=2, max_inflight=64, ns="t"
     fakes = [FakeWorker(f"w{i}") for i in range(n_workers)]
     async with contextlib.AsyncExitStack() as st:
         urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
-        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="gcache")
+        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="min_ttft")
         apps = [build_app(cfg, [WorkerSpec(u, max_inflight=max_inflight) for u in urls]) for _ in range(n_replicas)]
         rurls = [await st.enter_async_context(serve_app(a)) for a in apps]
         s = await st.enter_async_context(aiohttp.ClientSession())
@@ -37,12 +37,16 @@ def conv(i):
 
 def test_two_replicas_agree_on_placement_and_state(redis_proc):
     async def main():
-        async with replicas(redis_proc.url) as (rurls, s, _fakes, routers):
-            first = {}
-            for i in range(6):
-                async with s.post(rurls[i % 2] + "/v1/completions", json={"prompt": conv(i)}) as r:
+        async with replicas(redis_proc.url) as (rurls, s, fakes, routers):
+            async def send(i):
+                async with s.post(rurls[i % 2] + "/v1/completions", json={"prompt": conv(i), "hold": True}) as r:
                     assert r.status == 200
-                    first[i] = r.headers["X-Gcache-Worker"]
+                    return r.headers["X-Gcache-Worker"]
+            sent = [asyncio.ensure_future(send(i)) for i in range(6)]
+            await poll(lambda: sum(f.active for f in fakes.values()) == 6, what="six conversations in flight")
+            for f in fakes.values():
+                f.gate.set()
+            first = dict(enumerate(await asyncio.gather(*sent)))
             assert len(set(first.values())) > 1  # load spreads new conversations
             for i in range(6):  # the other replica sends each conversation to the same worker
                 async with s.post(rurls[(i + 1) % 2] + "/v1/completions", json={"prompt": conv(i) + "more"}) as r:
@@ -51,9 +55,10 @@ def test_two_replicas_agree_on_placement_and_state(redis_proc):
             async def idle():
                 return all(w.inflight_requests == 0 for w in await routers[0].state.snapshot(()))
             await poll(idle, what="all requests finished")
-            views = [await rt.state.snapshot(conv_hashes(routers[0], 3)) for rt in routers]
+            views = [[(w.spec, w.healthy, w.matched_blocks, w.inflight_requests, w.pending_ms)
+                      for w in await rt.state.snapshot(conv_hashes(routers[0], 3))] for rt in routers]
             assert views[0] == views[1]
-            assert max(w.matched_blocks for w in views[0]) > 2  # both see the same prefix index
+            assert max(w[2] for w in views[0]) > 2  # both see the same prefix index
     asyncio.run(main())
 
 
@@ -75,7 +80,7 @@ def test_counters_stay_consistent_under_concurrent_load(redis_proc):
 
             async def zero():
                 snaps = [await rt.state.snapshot(()) for rt in routers]
-                return all(w.inflight_requests == 0 and w.pending_tokens == 0 for sn in snaps for w in sn)
+                return all(w.inflight_requests == 0 and w.pending_ms == 0 for sn in snaps for w in sn)
             await poll(zero, what="counters back to zero on both replicas")
     asyncio.run(main())
 
