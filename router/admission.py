@@ -39,6 +39,7 @@ class _Waiter:
     req: ParsedRequest
     fut: asyncio.Future = field(repr=False)
     since: float = 0.0
+    exclude: frozenset[str] = frozenset()
 
 
 class Admission:
@@ -60,13 +61,14 @@ class Admission:
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
-    async def admit(self, req: ParsedRequest) -> tuple[Lease, Decision]:
-        """A lease on a worker for ``req``. Raises Rejected (503) when none frees up in time."""
-        if req.media_keys:
+    async def admit(self, req: ParsedRequest, exclude: frozenset[str] = frozenset()) -> tuple[Lease, Decision]:
+        """A lease on a worker for ``req``, not one in ``exclude``. Raises Rejected (503) when none
+        frees up in time."""
+        if req.media_keys and not exclude:
             got = await self._try_encoder(req)
             if got is not None:
                 return got
-        p, got = await self._try(req, take=lambda p: not self.queues.get(p.bucket))
+        p, got = await self._try(req, exclude, take=lambda p: not self.queues.get(p.bucket))
         if got is not None:
             return got
         if p.outcome is Outcome.NO_WORKER:
@@ -77,7 +79,7 @@ class Admission:
         if q.full():
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
-        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic())
+        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude)
         handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
@@ -115,7 +117,7 @@ class Admission:
                     if w is None or w.fut.done():
                         q.pop()
                         continue
-                    p, got = await self._try(w.req)
+                    p, got = await self._try(w.req, w.exclude)
                     if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
                         break
                     q.pop()
@@ -126,13 +128,14 @@ class Admission:
                         w.fut.set_result(got)
             self.metrics.queue_depth.set(self.depth())
 
-    async def _try(self, req: ParsedRequest, take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
+    async def _try(self, req: ParsedRequest, exclude: frozenset[str],
+                   take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
         """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap = await self.state.snapshot(req.hashes)
             ticket = await self.state.next_ticket() if self.policy.name == "round_robin" else 0
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
-                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0)
+                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude)
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision
@@ -146,7 +149,7 @@ class Admission:
 
     async def _try_encoder(self, req: ParsedRequest) -> tuple[Lease, Decision] | None:
         snap = await self.state.snapshot(())
-        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.healthy}
+        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.routable}
         if not enc:
             return None
         owner = HashRing(enc).owner(req.media_keys[0])

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from router.breaker import BreakerConfig
 from router.config import (
     BucketConfig,
     PolicyConfig,
@@ -49,6 +50,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, help="largest request body accepted (default: 32)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    d = RouterConfig()
+    p.add_argument("--body-timeout", type=float, default=d.client_body_timeout_s,
+                   help="seconds a client has to send its request body (default: %(default)s)")
+    p.add_argument("--connect-timeout", type=float, default=d.upstream_connect_timeout_s,
+                   help="seconds to connect to a worker (default: %(default)s)")
+    p.add_argument("--first-byte-timeout", type=float, default=d.upstream_first_byte_timeout_s,
+                   help="seconds until a worker's response headers (default: %(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=d.upstream_idle_timeout_s,
+                   help="longest silence in seconds between two chunks of a response (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=d.retries,
+                   help="other workers to try when the chosen one was never reached (default: %(default)s)")
+    p.add_argument("--breaker-failures", type=int, default=d.breaker.failures,
+                   help="consecutive failures that open a worker's circuit (default: %(default)s)")
+    p.add_argument("--breaker-open", type=float, default=d.breaker.open_s,
+                   help="seconds an open circuit keeps requests away (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
 
 
@@ -91,6 +107,12 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         namespace=a.namespace,
         max_body_bytes=int(a.max_body_mb * 1024 * 1024),
         health_interval_s=a.health_interval,
+        client_body_timeout_s=a.body_timeout,
+        upstream_connect_timeout_s=a.connect_timeout,
+        upstream_first_byte_timeout_s=a.first_byte_timeout,
+        upstream_idle_timeout_s=a.idle_timeout,
+        retries=a.retries,
+        breaker=BreakerConfig(a.breaker_failures, a.breaker_open),
     )
     return cfg, workers
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from router.breaker import BreakerConfig
 from router.cost import PrefillCost
 
 # Requests one router fleet sends a worker at once before it queues them: the default of
@@ -211,7 +212,16 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything one router replica needs. See ``gcache-router serve --help``."""
+    """Everything one router replica needs. See ``gcache-router serve --help``.
+
+    client_body_timeout_s: a client must deliver its whole request body within this (408).
+    upstream_connect_timeout_s: connecting to a worker; a refused, reset or timed-out connect
+        never reached the worker and is retried on the next-best one (up to ``retries`` more).
+    upstream_first_byte_timeout_s: from sending the request to the worker's response headers
+        (a non-streaming answer arrives whole, so this bounds the whole generation) (504).
+    upstream_idle_timeout_s: longest silence between two chunks of a response body.
+    breaker: per-worker circuit breaker on 5xx answers and timeouts, shared by replicas.
+    """
 
     policy: str = "min_ttft"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
@@ -222,7 +232,12 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "gcache-router"
     max_body_bytes: int = 32 * 1024 * 1024
-    upstream_timeout_s: float = 600.0
+    client_body_timeout_s: float = 30.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_first_byte_timeout_s: float = 600.0
+    upstream_idle_timeout_s: float = 120.0
+    retries: int = 2
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     health_interval_s: float = 2.0
     health_failures: int = 2
     redis_timeout_s: float = 0.5
@@ -230,7 +245,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.state, StateMode), f"state must be a StateMode, got {self.state!r}")
         _check(self.max_body_bytes > 0, "max_body_bytes must be > 0")
-        _check(self.upstream_timeout_s > 0, "upstream_timeout_s must be > 0")
+        for name in ("client_body_timeout_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
+                     "upstream_idle_timeout_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
         _check(self.health_interval_s > 0, "health_interval_s must be > 0")
         _check(self.health_failures >= 1, "health_failures must be >= 1")
         _check(self.redis_timeout_s > 0, "redis_timeout_s must be > 0")

@@ -49,7 +49,7 @@ def plan(
 ) -> Plan:
     """``l3_blocks``: leading blocks of the prompt any worker can load from the shared L3
     tier; ``exclude``: workers not to use (already tried for this request)."""
-    llm = [s for s in states if s.spec.role == "llm" and s.healthy and s.name not in exclude]
+    llm = [s for s in states if s.spec.role == "llm" and s.routable and s.name not in exclude]
     bucket, names = buckets.group(n_tokens, llm)
     if not names:
         return Plan(Outcome.NO_WORKER, bucket)

@@ -17,6 +17,8 @@ class RouterMetrics:
                                  ["policy", "reason"], registry=r)
         self.rejected = Counter("gcache_router_rejected", "Requests refused by the router, by reason",
                                 ["reason"], registry=r)
+        self.retries = Counter("gcache_router_retries", "Requests sent to another worker because the "
+                               "chosen one was never reached (refused, reset, connect timeout)", registry=r)
         self.queue_depth = Gauge("gcache_router_queue_depth", "Requests waiting for a worker slot",
                                  registry=r)
         self.queue_wait = Histogram("gcache_router_queue_wait_seconds", "Time requests waited in the queue",

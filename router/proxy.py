@@ -10,6 +10,7 @@ is passed back with the upstream's status and body.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, StateMode, WorkerSpec
+from router.forward import NeverReached, Timeouts, forward, json_error
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.policies import make_policy
@@ -30,15 +32,11 @@ from router.state_redis import RedisState, heartbeat_loop
 log = logging.getLogger("gcache.router.proxy")
 
 LLM_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-        "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
-_RESP_DROP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date",
-              "server"}
+
 
 def error(status: int, message: str, kind: str = "invalid_request_error",
           headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status, headers=headers)
+    return json_error(status, message, kind, headers)
 
 
 class Router:
@@ -48,8 +46,9 @@ class Router:
         self.cfg = cfg
         self.initial_workers = workers
         if state is None:
-            state = (RedisState(cfg.redis_url, cfg.prefix, cfg.namespace, cfg.redis_timeout_s)
-                     if cfg.state is StateMode.REDIS else MemoryState(cfg.prefix))
+            state = (RedisState(cfg.redis_url, cfg.prefix, cfg.namespace, breaker=cfg.breaker,
+                                timeout_s=cfg.redis_timeout_s)
+                     if cfg.state is StateMode.REDIS else MemoryState(cfg.prefix, breaker=cfg.breaker))
         self.state = state
         self.metrics = RouterMetrics()
         self.policy = make_policy(cfg.policy, cfg.policy_cfg)
@@ -57,14 +56,16 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._tasks: list[asyncio.Task] = []
+        self.timeouts = Timeouts(cfg.upstream_first_byte_timeout_s, cfg.upstream_idle_timeout_s)
 
     def __repr__(self) -> str:
         return f"Router(policy={self.policy.name}, state={self.state!r})"
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=5),
-            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.upstream_connect_timeout_s,
+                                          sock_connect=self.cfg.upstream_connect_timeout_s),
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),
         )
         await self.state.start()
         for w in self.initial_workers:
@@ -86,69 +87,67 @@ class Router:
 
     # -- inference routes -----------------------------------------------------------------
     async def handle_llm(self, request: web.Request) -> web.StreamResponse:
-        route = request.path
-        resp = await self._handle_llm(request)
-        self.metrics.requests.labels(route, str(resp.status)).inc()
+        try:
+            resp = await self._handle_llm(request)
+        except Exception:  # a bug: still a JSON answer, still counted
+            log.exception("unexpected error handling %s", request.path)
+            resp = error(500, "internal router error; see the router's log", "internal_error")
+        self.metrics.requests.labels(request.path, str(resp.status)).inc()
         return resp
 
     async def _handle_llm(self, request: web.Request) -> web.StreamResponse:
-        if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
+        cfg = self.cfg
+        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
             return error(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                              f"{self.cfg.max_body_bytes} bytes")
+                              f"{cfg.max_body_bytes} bytes")
         try:
-            body = await request.read()
+            async with asyncio.timeout(cfg.client_body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            return error(408, f"the request body did not arrive within {cfg.client_body_timeout_s:g}s "
+                              f"(Content-Length {request.content_length})")
         except web.HTTPRequestEntityTooLarge:
-            return error(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes")
+            return error(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
         try:
             obj = json.loads(body)
+        except RecursionError:
+            return error(400, "request body is nested too deeply to be parsed")
         except (ValueError, UnicodeDecodeError) as e:
             return error(400, f"request body is not valid JSON: {e}")
         try:
-            parsed = parse_request(request.path, obj, self.cfg.prefix)
+            parsed = parse_request(request.path, obj, cfg.prefix)
         except BadRequest as e:
             return error(400, str(e))
-        try:
-            lease, decision = await self.admission.admit(parsed)
-        except Rejected as e:
-            headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
-            return error(e.status, str(e), "service_unavailable", headers)
-        try:
-            return await self._forward(request, body, decision.worker, lease)
-        finally:
-            await self.admission.release(lease)
-
-    async def _forward(self, request: web.Request, body: bytes, worker: str, lease) -> web.StreamResponse:
-        assert self.session is not None, "Router.start() was not called"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        url = worker + request.path_qs
-        out: web.StreamResponse | None = None
-        try:
-            async with self.session.post(url, data=body, headers=headers) as up:
-                out = web.StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers.items():
-                    if k.lower() not in _RESP_DROP:
-                        out.headers.add(k, v)
-                out.headers["X-Gcache-Worker"] = worker
-                await out.prepare(request)
-                first = True
-                async for chunk in up.content.iter_any():
-                    if first:
-                        await self.state.prefill_done(lease)
-                        first = False
-                    try:
-                        await out.write(chunk)
-                    except ConnectionResetError:
-                        log.debug("client went away while streaming from %s", worker)
-                        return out  # leaving the block closes the upstream request too
-                await out.write_eof()
-                return out
-        except (aiohttp.ClientConnectionError, TimeoutError, aiohttp.ClientPayloadError) as e:
-            if self.health is not None:
-                await self.health.report(worker, False)
-            if out is not None and out.prepared:
-                log.warning("upstream %s failed mid-response: %s", worker, e)
-                return out  # headers already sent; the client sees a truncated stream
-            return error(502, f"upstream worker {worker} failed: {type(e).__name__}: {e}", "upstream_error")
+        except RecursionError:
+            return error(400, "request body is nested too deeply to be routed")
+        tried: set[str] = set()
+        failure = ""
+        for _ in range(cfg.retries + 1):
+            try:
+                lease, decision = await self.admission.admit(parsed, frozenset(tried))
+            except Rejected as e:
+                if tried:
+                    return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
+                                 "upstream_error")
+                headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
+                return error(e.status, str(e), "service_unavailable", headers)
+            worker = decision.worker
+            try:
+                res = await forward(self.session, request, body, worker + request.path_qs, self.timeouts,
+                                    {"X-Gcache-Worker": worker}, functools.partial(self.state.prefill_done, lease))
+            except NeverReached as e:
+                failure = str(e)
+                tried.add(worker)
+                self.metrics.retries.inc()
+                await self.state.record_outcome(worker, False)
+                if self.health is not None:
+                    await self.health.report(worker, False)
+                continue
+            finally:
+                await self.admission.release(lease)
+            await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
+            return res.response
+        return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error")
 
     # -- admin, health, metrics -----------------------------------------------------------
     async def handle_health(self, request: web.Request) -> web.Response:

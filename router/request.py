@@ -21,6 +21,18 @@ class BadRequest(ValueError):
     """The body cannot be routed; the message is sent back to the client with a 400."""
 
 
+MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; a lone UTF-16 surrogate (JSON ``"\\ud800"``) is a BadRequest."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{what} contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode; send well-formed text") from None
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     hashes: list[int]
@@ -64,12 +76,15 @@ def parse_request(path: str, body: object, cfg: PrefixConfig) -> ParsedRequest:
 def _from_prompt(prompt: object, cfg: PrefixConfig, media: list[str], stream: bool, name: str) -> ParsedRequest:
     if isinstance(prompt, str):
         return _from_text(prompt, cfg, media, stream)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        if prompt and not 0 <= min(prompt) <= max(prompt) <= MAX_TOKEN_ID:
+            raise BadRequest(f"'{name}' token ids must be integers in [0, 2^63 - 1]")
         return ParsedRequest(chain_token_hashes(prompt, cfg.block_tokens), len(prompt), media, stream)
     raise BadRequest(f"'{name}' must be a string or a list of integer token ids")
 
 
 def _from_text(text: str, cfg: PrefixConfig, media: list[str], stream: bool) -> ParsedRequest:
+    utf8(text, "the prompt")
     hashes = chain_text_hashes(text, cfg.block_tokens * cfg.chars_per_token)
     return ParsedRequest(hashes, len(text) // cfg.chars_per_token, media, stream)
 
@@ -106,4 +121,4 @@ def _chat_text(messages: object, media: list[str]) -> str:
 
 def _media_key(data: str) -> str:
     """Content hash of an inline media payload, or of the URL for a reference."""
-    return xxhash.xxh3_128_hexdigest(data.encode())
+    return xxhash.xxh3_128_hexdigest(utf8(data, "a media item"))

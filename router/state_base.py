@@ -25,6 +25,11 @@ class WorkerState:
     inflight_requests: int
     pending_ms: int
     match_age_s: float = float("inf")  # since the last matched block was last requested
+    circuit_open: bool = False  # the circuit breaker keeps requests away for now
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.circuit_open
 
     @property
     def name(self) -> str:
@@ -100,6 +105,14 @@ class RouterState(abc.ABC):
 
     @abc.abstractmethod
     async def next_ticket(self) -> int: ...
+
+    @abc.abstractmethod
+    async def record_outcome(self, worker: str, ok: bool) -> None:
+        """Feed the worker's circuit breaker: a success, or a failure (5xx, timeout, broken connection)."""
+
+    @abc.abstractmethod
+    async def forget_prefixes(self, worker: str) -> None:
+        """The worker lost its cache (it restarted): drop everything the index credits it with."""
 
     @abc.abstractmethod
     async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:

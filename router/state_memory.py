@@ -8,14 +8,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from router.breaker import BreakerConfig, Circuit
 from router.config import PrefixConfig, WorkerSpec
 from router.prefix import PrefixIndex
 from router.state_base import Lease, LoadTable, RouterState, WorkerState
 
 
 class MemoryState(RouterState):
-    def __init__(self, prefix: PrefixConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, prefix: PrefixConfig, clock: Callable[[], float] = time.time,
+                 breaker: BreakerConfig | None = None) -> None:
         self.clock = clock
+        self.breaker = breaker or BreakerConfig()
+        self.circuits: dict[str, Circuit] = {}
         self.workers: dict[str, WorkerSpec] = {}
         self.health: dict[str, bool] = {}
         self.index = PrefixIndex(prefix.max_blocks_per_worker, prefix.ttl_s)
@@ -32,8 +36,17 @@ class MemoryState(RouterState):
 
     def remove_worker_sync(self, name: str) -> bool:
         self.health.pop(name, None)
+        self.circuits.pop(name, None)
         self.index.remove_worker(name)
         return self.workers.pop(name, None) is not None
+
+    def record_outcome_sync(self, worker: str, ok: bool) -> None:
+        if worker in self.workers:
+            self.circuits.setdefault(worker, Circuit()).record(ok, self.clock(), self.breaker)
+
+    def circuit_open(self, worker: str, now: float) -> bool:
+        c = self.circuits.get(worker)
+        return c is not None and c.is_open(now)
 
     def snapshot_sync(self, hashes: Sequence[int]) -> list[WorkerState]:
         now = self.clock()
@@ -41,7 +54,8 @@ class MemoryState(RouterState):
         for name in sorted(self.workers):
             r, t = self.loads.get(name)
             m, age = self.index.match_age(name, hashes, now)
-            out.append(WorkerState(self.workers[name], self.health.get(name, True), m, r, t, age))
+            out.append(WorkerState(self.workers[name], self.health.get(name, True), m, r, t, age,
+                                   self.circuit_open(name, now)))
         return out
 
     def acquire_sync(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
@@ -78,6 +92,12 @@ class MemoryState(RouterState):
 
     async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
         return self.snapshot_sync(hashes)
+
+    async def record_outcome(self, worker: str, ok: bool) -> None:
+        self.record_outcome_sync(worker, ok)
+
+    async def forget_prefixes(self, worker: str) -> None:
+        self.index.remove_worker(worker)
 
     async def next_ticket(self) -> int:
         self.ticket += 1

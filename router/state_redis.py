@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
 from router.state_base import Lease, RouterState, WorkerState
 from router.state_memory import MemoryState
@@ -74,8 +75,10 @@ for i = 1, #ws, 2 do
     m = m + 1
     age = now - tonumber(s)
   end
+  local cb = redis.call('HMGET', ns .. ':cb', 'f:' .. name, 'o:' .. name)
+  local open = (tonumber(cb[2]) or 0) > now and 1 or 0
   out[#out + 1] = {name, ws[i + 1], m, reqs, toks, redis.call('SISMEMBER', ns .. ':down', name),
-                   tostring(age)}
+                   tostring(age), tonumber(cb[1]) or 0, open}
 end
 return out
 """
@@ -142,6 +145,21 @@ return 1
 """
 )
 
+# ARGV: ns, worker, ok (0/1), failures, open_s  (the circuit breaker of router/breaker.py)
+CIRCUIT = (
+    "local ns, w, ok, limit, open_s = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])\n"
+    + _NOW
+    + """
+if ok then
+  redis.call('HDEL', ns .. ':cb', 'f:' .. w, 'o:' .. w)
+  return 0
+end
+local f = redis.call('HINCRBY', ns .. ':cb', 'f:' .. w, 1)
+if f >= limit then redis.call('HSET', ns .. ':cb', 'o:' .. w, tostring(now + open_s)) end
+return f
+"""
+)
+
 HEARTBEAT = "local ns, me = ARGV[1], ARGV[2]\n" + _NOW + "redis.call('ZADD', ns .. ':replicas', now, me)\nreturn 1"
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -153,6 +171,7 @@ class RedisState(RouterState):
         url: str,
         prefix: PrefixConfig,
         namespace: str = "gcache-router",
+        breaker: BreakerConfig | None = None,
         timeout_s: float = 0.5,
         lease_s: float = 10.0,
         replica_id: str | None = None,
@@ -162,7 +181,7 @@ class RedisState(RouterState):
         self.ns = namespace
         self.lease_s = lease_s
         self.replica = replica_id or uuid.uuid4().hex[:12]
-        self.local = MemoryState(prefix)
+        self.local = MemoryState(prefix, breaker=breaker)
         self.r = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
             decode_responses=False,
@@ -170,11 +189,12 @@ class RedisState(RouterState):
         self._scripts = {
             n: self.r.register_script(s)
             for n, s in (("snap", SNAPSHOT), ("acq", ACQUIRE), ("adj", ADJUST), ("resync", RESYNC),
-                         ("hb", HEARTBEAT), ("rec", RECORD))
+                         ("hb", HEARTBEAT), ("rec", RECORD), ("cb", CIRCUIT))
         }
         self._up = False
         self._version = 0  # bumped on every local load change; guards resync races
         self._missed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=10_000)
+        self._fails: dict[str, int] = {}  # breaker failure counts as of the last snapshot
         self.errors = 0
         self.resyncs = 0
 
@@ -252,6 +272,7 @@ class RedisState(RouterState):
             try:
                 n = await self.r.hdel(f"{self.ns}:workers", name)
                 await self.r.delete(f"{self.ns}:px:{name}")
+                await self.r.hdel(f"{self.ns}:cb", f"f:{name}", f"o:{name}")
                 await self.r.srem(f"{self.ns}:down", name)
                 found = found or n > 0
             except _REDIS_ERRORS as e:
@@ -279,18 +300,38 @@ class RedisState(RouterState):
                 self._lost(e)
             else:
                 out = []
-                for name, spec_json, m, reqs, toks, down, age in rows:
+                for name, spec_json, m, reqs, toks, down, age, fails, is_open in rows:
                     spec = WorkerSpec.from_dict(json.loads(spec_json))
                     if spec.name not in self.local.workers:
                         self.local.add_worker_sync(spec)  # learnt from another replica
+                    self._fails[spec.name] = int(fails)
                     age_s = float(age)
                     out.append(WorkerState(spec, not down, int(m), int(reqs), int(toks),
-                                           age_s if age_s >= 0 else float("inf")))
+                                           age_s if age_s >= 0 else float("inf"), bool(is_open)))
                 known = {s.name for s in out}
                 for gone in [w for w in self.local.workers if w not in known]:
                     self.local.remove_worker_sync(gone)  # removed through another replica
                 return sorted(out, key=lambda s: s.name)
         return self.local.snapshot_sync(hashes)
+
+    async def record_outcome(self, worker: str, ok: bool) -> None:
+        self.local.record_outcome_sync(worker, ok)
+        if not self._up or (ok and not self._fails.get(worker)):
+            return  # nothing to reset: a success costs no round trip
+        try:
+            f = await self._scripts["cb"](args=[self.ns, worker, int(ok), self.local.breaker.failures,
+                                                self.local.breaker.open_s])
+            self._fails[worker] = int(f)
+        except _REDIS_ERRORS as e:
+            self._lost(e)
+
+    async def forget_prefixes(self, worker: str) -> None:
+        self.local.index.remove_worker(worker)
+        if self._up:
+            try:
+                await self.r.delete(f"{self.ns}:px:{worker}")
+            except _REDIS_ERRORS as e:
+                self._lost(e)
 
     async def next_ticket(self) -> int:
         if self._up:

@@ -30,6 +30,8 @@ class FakeWorker:
         self.prefill_s_per_token = prefill_s_per_token
         self.prefill_base_s = prefill_base_s
         self._prefill = asyncio.Lock()
+        self.instance_id = "1"  # reported by /health; change it to play a restart
+        self.fail_status = 0  # when set, every inference request is answered with this status
         self.cache: set[str] = set()
         self.healthy = True
         self.served = 0
@@ -46,7 +48,8 @@ class FakeWorker:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)
+        return web.json_response({"ok": self.healthy, "instance_id": self.instance_id},
+                                 status=200 if self.healthy else 503)
 
     async def release(self, request: web.Request) -> web.Response:
         self.gate.set()
@@ -66,8 +69,9 @@ class FakeWorker:
         self.bodies.append(raw)
         body = json.loads(raw)
         digest = hashlib.sha256(raw).hexdigest()
-        if body.get("fail"):
-            return web.json_response({"error": {"message": "upstream exploded"}}, status=int(body["fail"]))
+        if body.get("fail") or self.fail_status:
+            status = int(body.get("fail") or self.fail_status)
+            return web.json_response({"error": {"message": "upstream exploded"}}, status=status)
         self.active += 1
         try:
             if body.get("hold"):
