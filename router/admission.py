@@ -132,8 +132,7 @@ class Admission:
                    take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
         """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
-            snap = await self.state.snapshot(req.hashes)
-            ticket = await self.state.next_ticket() if self.policy.name == "round_robin" else 0
+            snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
                      self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude)
             if p.outcome is not Outcome.ROUTED or not take(p):

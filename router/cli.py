@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from router.bench import run as bench_run
 from router.breaker import BreakerConfig
 from router.config import (
     BucketConfig,
@@ -66,6 +67,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-open", type=float, default=d.breaker.open_s,
                    help="seconds an open circuit keeps requests away (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every request (aiohttp's access log at INFO); off by default, it costs "
+                        "throughput")
 
 
 def parse_worker(arg: str) -> WorkerSpec:
@@ -129,8 +133,18 @@ def serve(a: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = build_app(cfg, workers)
-    web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True))
+    web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True), loop=_event_loop(),
+                access_log=logging.getLogger("aiohttp.access") if a.access_log else None)
     return 0
+
+
+def _event_loop():
+    try:
+        import uvloop
+    except ImportError:  # the router extra installs it; without it the router still runs, slower
+        logging.getLogger("gcache.router").warning("uvloop not installed; using the default asyncio loop")
+        return None
+    return uvloop.new_event_loop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,5 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     pm = sub.add_parser("sim", help="replay a Mooncake trace against simulated workers",
                         description="Deterministic discrete-event simulation of every policy x queue order.")
     sim_cli.add_arguments(pm)
+    pb = sub.add_parser("bench", help="measure the router's overhead against an echo worker",
+                        description="Echo worker direct vs through the router (memory and Redis state), "
+                                    "same client, same run: throughput, latency, streaming time to first byte.")
+    bench_run.add_arguments(pb)
     a = parser.parse_args(argv)
-    return serve(a) if a.cmd == "serve" else sim_cli.run(a)
+    return {"serve": serve, "sim": sim_cli.run, "bench": bench_run.run}[a.cmd](a)

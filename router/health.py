@@ -26,7 +26,7 @@ class HealthChecker:
         self.session = session
         self.interval_s = interval_s
         self.failures = failures
-        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, interval_s * 2))
+        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, max(interval_s * 2, 1.0)))
         self.misses: dict[str, int] = {}
         self.down: set[str] = set()
         self.instance: dict[str, str] = {}
@@ -70,8 +70,8 @@ class HealthChecker:
             self.down.add(name)
             await self.state.set_health(name, False)
 
-    async def run(self) -> None:
-        while True:
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
             await self.check_once()
             await asyncio.sleep(self.interval_s)
 

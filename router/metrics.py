@@ -42,9 +42,20 @@ class RouterMetrics:
                                   registry=r)
         self._prompt = 0
         self._cached = 0
+        self._children: dict[tuple, object] = {}  # labels() costs tens of microseconds: look each up once
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def count_request(self, route: str, status: int) -> None:
+        self.child(self.requests, route, str(status)).inc()
 
     def routed(self, policy: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
-        self.decisions.labels(policy, reason).inc()
+        self.child(self.decisions, policy, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self._prompt += prompt_tokens

@@ -56,6 +56,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
         self.timeouts = Timeouts(cfg.upstream_first_byte_timeout_s, cfg.upstream_idle_timeout_s)
 
     def __repr__(self) -> str:
@@ -72,11 +73,13 @@ class Router:
             await self.state.add_worker(w)
         self.health = HealthChecker(self.state, self.session, self.cfg.health_interval_s, self.cfg.health_failures)
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self.health.run()))
+        self._tasks.append(loop.create_task(self.health.run(self._stopping)))
         if isinstance(self.state, RedisState):
-            self._tasks.append(loop.create_task(heartbeat_loop(self.state, min(1.0, self.cfg.health_interval_s))))
+            self._tasks.append(loop.create_task(heartbeat_loop(self.state, min(1.0, self.cfg.health_interval_s),
+                                                               self._stopping)))
 
     async def stop(self, app: web.Application) -> None:
+        self._stopping.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -92,7 +95,7 @@ class Router:
         except Exception:  # a bug: still a JSON answer, still counted
             log.exception("unexpected error handling %s", request.path)
             resp = error(500, "internal router error; see the router's log", "internal_error")
-        self.metrics.requests.labels(request.path, str(resp.status)).inc()
+        self.metrics.count_request(request.path, resp.status)
         return resp
 
     async def _handle_llm(self, request: web.Request) -> web.StreamResponse:

@@ -106,6 +106,11 @@ class RouterState(abc.ABC):
     @abc.abstractmethod
     async def next_ticket(self) -> int: ...
 
+    async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
+        """``snapshot(hashes)`` and, if asked, the next round-robin ticket (else 0); backends
+        with a round trip per call do both in one."""
+        return await self.snapshot(hashes), (await self.next_ticket() if want_ticket else 0)
+
     @abc.abstractmethod
     async def record_outcome(self, worker: str, ok: bool) -> None:
         """Feed the worker's circuit breaker: a success, or a failure (5xx, timeout, broken connection)."""

@@ -107,6 +107,7 @@ def test_config(**kw):
     kw.setdefault("queue", QueueConfig(max_wait_s=5.0))
     kw.setdefault("health_interval_s", 0.1)
     kw.setdefault("health_failures", 2)
+    kw.setdefault("upstream_first_byte_timeout_s", 20.0)  # nothing in a test waits on a worker for long
     return RouterConfig(**kw)
 
 

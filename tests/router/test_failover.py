@@ -54,11 +54,15 @@ async def fleet(n_replicas=1, state=StateMode.MEMORY, redis_url="", ns="f", **cf
 def test_breaker_is_shared_by_replicas_through_redis(redis_proc):
     async def main():
         async with fleet(2, StateMode.REDIS, redis_proc.url, breaker=BreakerConfig(failures=3, open_s=1.0)) as (
-                urls, s, (burl, bad), (gurl, _good), _routers):
+                urls, s, (burl, bad), (gurl, _good), routers):
             bad.fail_status = 500
             for i in range(3):  # three 5xx through replica 0 open the circuit...
                 async with s.post(urls[0] + "/v1/completions", json={"prompt": f"q{i}"}) as r:
                     assert r.status == 500 and r.headers["X-Gcache-Worker"] == burl
+
+            async def open_on_replica_1():
+                return {w.name: w.circuit_open for w in await routers[1].state.snapshot(())}[burl]
+            await poll(open_on_replica_1, what="replica 1 sees the circuit replica 0 opened")
             for i in range(3):  # ...and replica 1, which saw none of them, keeps away too
                 async with s.post(urls[1] + "/v1/completions", json={"prompt": f"r{i}"}) as r:
                     assert r.status == 200 and r.headers["X-Gcache-Worker"] == gurl
@@ -70,7 +74,7 @@ def test_breaker_is_shared_by_replicas_through_redis(redis_proc):
             await poll(back, timeout=10, interval=0.2, what="circuit half-open and closed again")
             rc = aioredis.Redis.from_url(redis_proc.url)
             try:
-                assert await rc.hgetall("f:cb") == {}
+                await poll(lambda: _is(rc.hgetall("f:cb"), {}), what="the closed circuit cleared in Redis")
             finally:
                 await rc.aclose()
     asyncio.run(main())

@@ -24,7 +24,7 @@ async def run(policy: str, n: int = 400, concurrency: int = 32) -> tuple[list[in
     fakes = [FakeWorker(f"w{i}", prefill_s_per_token=40e-6, prefill_base_s=0.004) for i in range(4)]
     async with contextlib.AsyncExitStack() as st:
         urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
-        app = build_app(test_config(policy=policy), [WorkerSpec(u) for u in urls])
+        app = build_app(test_config(policy=policy, health_interval_s=5), [WorkerSpec(u) for u in urls])
         url = await st.enter_async_context(serve_app(app))
         s = await st.enter_async_context(aiohttp.ClientSession())
         lat: list[float] = []
@@ -44,8 +44,8 @@ async def run(policy: str, n: int = 400, concurrency: int = 32) -> tuple[list[in
 
 def test_hot_prefix_spreads_with_p90_close_to_the_gated_policy():
     async def main():
-        spread, p90 = await run("min_ttft")
-        gated, p90_gated = await run("sglang")
+        # both fleets at once, so the machine's load (this event loop, other jobs) hits them alike
+        (spread, p90), (gated, p90_gated) = await asyncio.gather(run("min_ttft"), run("sglang"))
         print(f"min_ttft {spread} p90 {p90 * 1000:.0f} ms; sglang {gated} p90 {p90_gated * 1000:.0f} ms")
         assert sum(n > 0 for n in spread) >= 2 and max(spread) < 300, spread
         assert p90 <= 1.5 * p90_gated, (p90, p90_gated)

@@ -48,6 +48,12 @@ def test_two_replicas_agree_on_placement_and_state(redis_proc):
                 f.gate.set()
             first = dict(enumerate(await asyncio.gather(*sent)))
             assert len(set(first.values())) > 1  # load spreads new conversations
+
+            async def converged():  # a replica's changes reach the others within flush_delay_s
+                views = [[(w.name, w.matched_blocks, w.inflight_requests)
+                          for w in await rt.state.snapshot(conv_hashes(routers[0], 3))] for rt in routers]
+                return views[0] == views[1] and all(w[2] == 0 for w in views[0])
+            await poll(converged, what="both replicas see the same prefixes and loads")
             for i in range(6):  # the other replica sends each conversation to the same worker
                 async with s.post(rurls[(i + 1) % 2] + "/v1/completions", json={"prompt": conv(i) + "more"}) as r:
                     assert r.headers["X-Gcache-Worker"] == first[i]
@@ -130,3 +136,29 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
 async def _state_is(s, url, want):
     async with s.get(url + "/health") as r:
         return (await r.json())["state"] == want
+
+
+def test_one_redis_round_trip_per_request(redis_proc):
+    async def main():
+        async with replicas(redis_proc.url, n_replicas=1, ns="rt") as (rurls, s, _fakes, routers):
+            state = routers[0].state
+            before_req, before_flush = state.request_round_trips, state.flush_round_trips
+            for i in range(20):
+                async with s.post(rurls[0] + "/v1/completions", json={"prompt": conv(i)}) as r:
+                    assert r.status == 200
+            assert state.request_round_trips - before_req == 20  # the snapshot; admit/release ride on it
+            assert state.flush_round_trips - before_flush <= 20  # flushes off the request path
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:  # and what they carried arrived: prefixes recorded, counters back to zero
+                await poll(lambda: _all_zero(rc, "rt"), what="load counters back to zero in Redis")
+                assert sum([await rc.zcard(f"rt:px:{w}") for w in _fakes]) > 0
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
+
+
+async def _all_zero(rc, ns):
+    for key in await rc.keys(f"{ns}:load:*"):
+        if any(int(v) != 0 for v in (await rc.hgetall(key)).values()):
+            return False
+    return True
