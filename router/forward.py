@@ -5,7 +5,7 @@ Timeouts: connect (``upstream_connect_timeout_s``), first byte (response headers
 to the client, within ``upstream_idle_timeout_s``). Failures are classified once, here:
 a request that never reached the worker (connection refused, reset or closed before any
 response byte, connect timeout) raises ``NeverReached`` so the caller can retry it on
-another worker; every other outcome is a ``Forwarded`` with the response the client got
+another worker (``router.upstream`` classifies); every other outcome is a ``Forwarded`` with the response the client got
 and whether it counts as a success for the worker's circuit breaker.
 """
 
@@ -16,8 +16,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
+
+from router.upstream import Response, Unreached, UpstreamError, UpstreamPool
 
 log = logging.getLogger("gcache.router.forward")
 
@@ -50,32 +52,32 @@ def json_error(status: int, message: str, kind: str, headers: dict[str, str] | N
                              status=status, headers=headers)
 
 
-async def forward(session: aiohttp.ClientSession, request: web.Request, body: bytes, url: str, t: Timeouts,
+async def forward(pool: UpstreamPool, request: web.Request, body: bytes, url: str, t: Timeouts,
                   response_headers: dict[str, str], on_first_byte: Callable[[], Awaitable[None]]) -> Forwarded:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
     try:
         async with asyncio.timeout(t.first_byte_s):
-            up = await session.post(url, data=body, headers=headers)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as e:
-        raise NeverReached(f"{type(e).__name__}: {e}") from None
-    except aiohttp.ClientOSError as e:  # reset or broken pipe before any response byte
-        raise NeverReached(f"{type(e).__name__}: {e}") from None
+            up = await pool.post(url, headers, body)
+    except Unreached as e:
+        raise NeverReached(str(e)) from None
     except TimeoutError:
         return Forwarded(json_error(504, f"the worker sent no response within {t.first_byte_s:g}s",
                                     "upstream_timeout"), False, 504)
-    except aiohttp.ClientError as e:
-        return Forwarded(json_error(502, f"the worker failed: {type(e).__name__}: {e}", "upstream_error"), False, 502)
+    except UpstreamError as e:
+        return Forwarded(json_error(502, f"the worker failed: {e}", "upstream_error"), False, 502)
     ok = up.status < 500
     try:
-        hdrs = {k: v for k, v in up.headers.items() if k.lower() not in RESPONSE_DROP}
-        hdrs.update(response_headers)
+        hdrs = [(k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP]
+        hdrs += response_headers.items()
+        ctype = up.header("Content-Type") or ""
         if up.content_length is not None and up.content_length <= WHOLE_BODY_MAX \
-                and not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                and not ctype.startswith("text/event-stream"):
             async with asyncio.timeout(t.idle_s):
                 data = await up.read()
-            return Forwarded(web.Response(body=data, status=up.status, reason=up.reason, headers=hdrs), ok, up.status)
-        return await _stream(request, up, hdrs, t, on_first_byte, ok)
-    except (TimeoutError, aiohttp.ClientError) as e:
+            return Forwarded(web.Response(body=data, status=up.status, reason=up.reason, headers=CIMultiDict(hdrs)),
+                             ok, up.status)
+        return await _stream(request, up, CIMultiDict(hdrs), t, on_first_byte, ok, url)
+    except (TimeoutError, UpstreamError) as e:
         log.warning("worker %s failed mid-response: %s: %s", url, type(e).__name__, e)
         return Forwarded(json_error(502, f"the worker failed mid-response: {type(e).__name__}", "upstream_error"),
                          False, 502)
@@ -83,28 +85,25 @@ async def forward(session: aiohttp.ClientSession, request: web.Request, body: by
         up.release()
 
 
-async def _stream(request: web.Request, up: aiohttp.ClientResponse, hdrs: dict[str, str], t: Timeouts,
-                  on_first_byte: Callable[[], Awaitable[None]], ok: bool) -> Forwarded:
+async def _stream(request: web.Request, up: Response, hdrs: CIMultiDict, t: Timeouts,
+                  on_first_byte: Callable[[], Awaitable[None]], ok: bool, url: str) -> Forwarded:
     out = web.StreamResponse(status=up.status, reason=up.reason, headers=hdrs)
     await out.prepare(request)
     loop = asyncio.get_running_loop()
     first = True
     try:
         async with asyncio.timeout(t.idle_s) as deadline:
-            while True:
-                chunk = await up.content.readany()
-                if not chunk:
-                    break
+            async for chunk in up.iter_chunks():
                 if first:
                     await on_first_byte()
                     first = False
                 await out.write(chunk)
                 deadline.reschedule(loop.time() + t.idle_s)
         await out.write_eof()
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        log.debug("client went away while streaming from %s", up.url)
-    except (TimeoutError, aiohttp.ClientError) as e:
+    except ConnectionResetError:
+        log.debug("client went away while streaming from %s", url)
+    except (TimeoutError, UpstreamError) as e:
         # headers are sent: the client sees a truncated stream
-        log.warning("worker %s failed mid-stream: %s: %s", up.url.origin(), type(e).__name__, e)
+        log.warning("worker %s failed mid-stream: %s: %s", url, type(e).__name__, e)
         ok = False
     return Forwarded(out, ok, up.status)

@@ -28,6 +28,7 @@ from router.request import BadRequest, parse_request
 from router.state_base import RouterState
 from router.state_memory import MemoryState
 from router.state_redis import RedisState, heartbeat_loop
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("gcache.router.proxy")
 
@@ -54,6 +55,7 @@ class Router:
         self.policy = make_policy(cfg.policy, cfg.policy_cfg)
         self.admission = Admission(cfg, state, self.policy, self.metrics)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.health: HealthChecker | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
@@ -63,11 +65,8 @@ class Router:
         return f"Router(policy={self.policy.name}, state={self.state!r})"
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.upstream_connect_timeout_s,
-                                          sock_connect=self.cfg.upstream_connect_timeout_s),
-            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),
-        )
+        self.session = aiohttp.ClientSession(auto_decompress=False)  # health checks
+        self.upstream = UpstreamPool(self.cfg.upstream_connect_timeout_s)
         await self.state.start()
         for w in self.initial_workers:
             await self.state.add_worker(w)
@@ -86,6 +85,8 @@ class Router:
         await self.admission.close()
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.state.close()
 
     # -- inference routes -----------------------------------------------------------------
@@ -136,7 +137,7 @@ class Router:
                 return error(e.status, str(e), "service_unavailable", headers)
             worker = decision.worker
             try:
-                res = await forward(self.session, request, body, worker + request.path_qs, self.timeouts,
+                res = await forward(self.upstream, request, body, worker + request.path_qs, self.timeouts,
                                     {"X-Gcache-Worker": worker}, functools.partial(self.state.prefill_done, lease))
             except NeverReached as e:
                 failure = str(e)

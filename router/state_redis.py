@@ -1,11 +1,13 @@
 """Routing state in Redis, shared by stateless router replicas (``--state redis``).
 
-One round trip per request. A request's snapshot is one Lua call (``redis_scripts.SYNC``)
+One Redis command per request: a request's snapshot is one Lua call (``redis_scripts.SYNC``)
 that first applies this replica's buffered changes (requests admitted with their prefix
 blocks, first bytes, completions, breaker outcomes) and then reads every worker's match,
 the other replicas' load, health and circuit state. Admitting, first byte and release only
 change the local mirror and append to the buffer; the next request's call carries them, and
 a timer flushes them within ``flush_delay_s`` when no request comes (off the request path).
+Commands issued in the same event-loop turn go out as one pipeline, so under load many
+requests share a round trip.
 
 A replica's own load is always its exact local count; other replicas' load is as of their
 last call (at most ``flush_delay_s`` old). Far from a worker's ``max_inflight`` that is
@@ -20,6 +22,7 @@ once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchroni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -52,6 +55,7 @@ class RedisState(RouterState):
         lease_s: float = 10.0,
         replica_id: str | None = None,
         flush_delay_s: float = 0.005,
+        max_connections: int = 64,
     ) -> None:
         self.url = url
         self.prefix = prefix
@@ -60,11 +64,16 @@ class RedisState(RouterState):
         self.flush_delay_s = flush_delay_s
         self.replica = replica_id or uuid.uuid4().hex[:12]
         self.local = MemoryState(prefix, breaker=breaker)
-        self.r = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-            decode_responses=False,
-        )
+        # A bounded pool that waits for a free connection (the default pool fails with "too many
+        # connections" under a burst, which would count as an outage); no CLIENT SETINFO per connection.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry_on_timeout=False, decode_responses=False, driver_info=None)
+        self.r = aioredis.Redis(connection_pool=pool)
         self._sync = self.r.register_script(SYNC)
+        self._sync_sha = self._sync.sha
+        self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
+        self._inflight: set[asyncio.Task] = set()
         self._resync = self.r.register_script(RESYNC)
         self._heartbeat = self.r.register_script(HEARTBEAT)
         self._up = False
@@ -76,9 +85,12 @@ class RedisState(RouterState):
         self._fails: dict[str, int] = {}  # breaker failure counts, last seen
         self.errors = 0
         self.resyncs = 0
-        self.request_round_trips = 0  # SYNC calls made for a request's snapshot
-        self.flush_round_trips = 0  # timer flushes of buffered changes, off the request path
-        self.background_round_trips = 0  # heartbeats, resyncs, admin changes, health/metrics snapshots
+        # Redis commands by purpose. A request makes one (its snapshot; a second, the strict
+        # acquire, only near a worker's limit); commands issued together share a pipeline.
+        self.request_commands = 0
+        self.flush_commands = 0  # timer flushes of buffered changes, off the request path
+        self.background_commands = 0  # heartbeats, resyncs, admin changes, health/metrics snapshots
+        self.pipelines = 0  # round trips the SYNC commands took
 
     def __repr__(self) -> str:
         return f"RedisState(url={self.url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
@@ -107,7 +119,7 @@ class RedisState(RouterState):
 
     async def try_resync(self) -> bool:
         """Reconnect and push local truth to Redis; called by the heartbeat loop. True if up."""
-        self.background_round_trips += 1
+        self.background_commands += 1
         if self._up:
             try:
                 await self._heartbeat(args=[self.ns, self.replica])
@@ -117,6 +129,7 @@ class RedisState(RouterState):
                 return False
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
+            await self.r.script_load(SYNC)
             while True:
                 v = self._version
                 fields: list[object] = []
@@ -155,38 +168,72 @@ class RedisState(RouterState):
     def _flush_soon(self) -> None:
         self._flush_timer = None
         if self._ops and self._up:
-            self.flush_round_trips += 1
+            self.flush_commands += 1
             asyncio.get_running_loop().create_task(self._call(_FLUSH, ()))
 
     async def _call(self, mode: int, hashes: Sequence[object]) -> list | int | None:
-        """One SYNC call carrying every buffered change; None if Redis is unreachable."""
+        """One SYNC command; None if Redis is unreachable. Commands issued in the same event-loop
+        turn share one pipeline (one round trip); the first carries every buffered change."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._batch.append((mode, hashes, fut))
+        if len(self._batch) == 1:
+            loop.call_soon(self._send_batch)
+        return await fut
+
+    def _send_batch(self) -> None:
+        batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch, ops))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _run_batch(self, batch: list, ops: list) -> None:
         b = self.local.breaker
-        try:
-            return await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
-                                          self.prefix.max_blocks_per_worker, mode, b.failures, b.open_s,
-                                          len(ops), *ops, *hashes])
-        except _REDIS_ERRORS as e:
-            self._lost(e)
-            i = 0
-            while i < len(ops):  # prefix records are replayed after the outage; loads resync
-                kind = ops[i]
-                if kind == "A":
-                    n = ops[i + 3]
-                    self._missed.append((ops[i + 1], tuple(ops[i + 4 : i + 4 + n])))
-                    i += 4 + n
-                else:
-                    i += {"D": 4, "C": 3}[kind]
-            return None
+        fixed = [self.ns, self.replica, self.prefix.ttl_s, self.lease_s, self.prefix.max_blocks_per_worker]
+        for attempt in (0, 1):
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                for i, (mode, hashes, _) in enumerate(batch):
+                    o = ops if i == 0 else ()
+                    pipe.evalsha(self._sync_sha, 0, *fixed, mode, b.failures, b.open_s, len(o), *o, *hashes)
+                self.pipelines += 1
+                results = await pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+                if attempt:
+                    results = None
+                    break
+                with contextlib.suppress(*_REDIS_ERRORS):
+                    await self.r.script_load(SYNC)
+            except _REDIS_ERRORS as e:
+                self._lost(e)
+                self._keep_records(ops)
+                results = None
+                break
+        for k, (_, _, fut) in enumerate(batch):
+            if not fut.done():
+                fut.set_result(None if results is None else results[k])
+
+    def _keep_records(self, ops: list) -> None:
+        i = 0
+        while i < len(ops):  # prefix records are replayed after the outage; loads resync
+            kind = ops[i]
+            if kind == "A":
+                n = ops[i + 3]
+                self._missed.append((ops[i + 1], tuple(ops[i + 4 : i + 4 + n])))
+                i += 4 + n
+            else:
+                i += {"D": 4, "C": 3}[kind]
 
     # -- workers (admin changes: direct calls, not on the request path) ------------------
     async def _admin(self, *calls) -> list | None:
         if not self._up:
             return None
         if self._ops:  # changes made before this one go first (a removal must not be undone by them)
-            self.background_round_trips += 1
+            self.background_commands += 1
             await self._call(_FLUSH, ())
-        self.background_round_trips += 1
+        self.background_commands += 1
         try:
             pipe = self.r.pipeline(transaction=True)
             for name, *args in calls:
@@ -232,11 +279,11 @@ class RedisState(RouterState):
     # -- routing ------------------------------------------------------------------------
     async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
         """For health checks, metrics and the admin API (the request path uses ``route_view``)."""
-        self.background_round_trips += 1
+        self.background_commands += 1
         return (await self._view(hashes, False))[0]
 
     async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
-        self.request_round_trips += 1
+        self.request_commands += 1
         return await self._view(hashes, want_ticket)
 
     async def _view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
@@ -283,7 +330,7 @@ class RedisState(RouterState):
             if seen >= limit:
                 return None
             if seen >= limit - strict_margin(limit):
-                self.request_round_trips += 1
+                self.request_commands += 1
                 ok = await self._call(_STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
                 if ok is not None:
                     if not ok:
@@ -315,7 +362,7 @@ class RedisState(RouterState):
 
 def strict_margin(limit: int) -> int:
     """How close to a worker's in-flight limit admission turns strict (an atomic check in Redis)."""
-    return max(2, limit // 4)
+    return max(4, limit // 4)
 
 
 async def heartbeat_loop(state: RedisState, interval_s: float, stopping: asyncio.Event) -> None:
