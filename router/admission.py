@@ -71,6 +71,9 @@ class Admission:
         p, got = await self._try(req, exclude, take=lambda p: not self.queues.get(p.bucket))
         if got is not None:
             return got
+        if p.outcome is Outcome.NO_MODEL:
+            self.metrics.rejected.labels("no_model").inc()
+            raise Rejected(404, "model_not_found", f"no worker serves model {req.model!r}; GET /v1/models lists them")
         if p.outcome is Outcome.NO_WORKER:
             self.metrics.rejected.labels("no_worker").inc()
             raise Rejected(503, "no_worker", f"no healthy worker can serve a prompt of ~{req.n_tokens} tokens",
@@ -121,7 +124,10 @@ class Admission:
                     if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
                         break
                     q.pop()
-                    if got is None:
+                    if got is None and p.outcome is Outcome.NO_MODEL:
+                        w.fut.set_exception(Rejected(404, "model_not_found",
+                                                     f"no worker serves model {w.req.model!r} any more"))
+                    elif got is None:
                         w.fut.set_exception(Rejected(503, "no_worker", "no healthy worker for this request"))
                     else:
                         self.metrics.queue_wait.observe(time.monotonic() - w.since)
@@ -134,7 +140,7 @@ class Admission:
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
-                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude)
+                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude, model=req.model)
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision
@@ -148,7 +154,7 @@ class Admission:
 
     async def _try_encoder(self, req: ParsedRequest) -> tuple[Lease, Decision] | None:
         snap = await self.state.snapshot(())
-        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.routable}
+        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.routable and s.spec.serves(req.model)}
         if not enc:
             return None
         owner = HashRing(enc).owner(req.media_keys[0])

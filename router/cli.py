@@ -27,7 +27,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N,speed=X")
+                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N,speed=X,"
+                        "models=NAME|NAME,id=NAME")
     p.add_argument("--config", metavar="FILE",
                    help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}')
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig().policy,
@@ -67,6 +68,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-open", type=float, default=d.breaker.open_s,
                    help="seconds an open circuit keeps requests away (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.add_argument("--admin-token-file", metavar="FILE",
+                   help="file holding the bearer token of the /admin API (16+ characters); without it the "
+                        "admin API is off")
+    p.add_argument("--worker-header", action="store_true",
+                   help="answer with X-Gcache-Worker: <worker id> (never the worker's URL); off by default")
+    p.add_argument("--worker-id-salt", default="",
+                   help="key of the derived worker ids (default: the namespace); set a secret one so clients "
+                        "cannot guess worker addresses from ids")
     p.add_argument("--access-log", action="store_true",
                    help="log every request (aiohttp's access log at INFO); off by default, it costs "
                         "throughput")
@@ -87,15 +96,21 @@ def parse_worker(arg: str) -> WorkerSpec:
                 d[k] = float(v)
             except ValueError:
                 raise ValueError(f"worker option speed needs a number, got {v!r}") from None
-        elif k == "role":
+        elif k == "models":
+            d[k] = [m for m in v.split("|") if m]
+        elif k in ("role", "id"):
             d[k] = v
         else:
-            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=")
+            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=, models=, id=")
     return WorkerSpec.from_dict(d)
 
 
 def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSpec]]:
     workers = [parse_worker(w) for w in a.worker]
+    token = None
+    if a.admin_token_file:
+        with open(a.admin_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
     if a.config:
         with open(a.config, encoding="utf-8") as f:
             doc = json.load(f)
@@ -117,6 +132,9 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         upstream_idle_timeout_s=a.idle_timeout,
         retries=a.retries,
         breaker=BreakerConfig(a.breaker_failures, a.breaker_open),
+        admin_token=token,
+        worker_header=a.worker_header,
+        worker_id_salt=a.worker_id_salt,
     )
     return cfg, workers
 

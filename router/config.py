@@ -7,6 +7,7 @@ value raises ``ValueError`` naming the field and what to change.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 from router.breaker import BreakerConfig
@@ -171,6 +172,9 @@ class WorkerSpec:
     max_inflight: requests this router fleet sends it at once before queueing.
     speed: prefill throughput relative to the reference worker of the cost model; a worker
         with speed 2 is charged half the time for the same work (the load is per capacity).
+    models: the model names it serves (the request's "model" field picks a group); empty =
+        any model.
+    id: what clients and metrics see instead of the URL; empty = derived (``worker_id``).
     """
 
     url: str
@@ -178,6 +182,8 @@ class WorkerSpec:
     role: str = "llm"
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     speed: float = 1.0
+    models: tuple[str, ...] = ()
+    id: str = ""
 
     def __post_init__(self) -> None:
         _check(
@@ -188,14 +194,20 @@ class WorkerSpec:
         _check(self.bucket is None or self.bucket >= 0, f"worker bucket must be >= 0, got {self.bucket}")
         _check(self.max_inflight > 0, f"max_inflight must be > 0, got {self.max_inflight}")
         _check(self.speed > 0, f"worker speed must be > 0, got {self.speed}")
+        _check(isinstance(self.models, tuple) and all(isinstance(m, str) and m for m in self.models),
+               "worker models must be a tuple of non-empty strings")
+        _check(isinstance(self.id, str) and len(self.id) <= 64 and "/" not in self.id and ":" not in self.id,
+               f"worker id must be a string of at most 64 characters without '/' or ':', got {self.id!r}")
 
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
     @property
     def name(self) -> str:
         return self.url.rstrip("/")
 
     def to_dict(self) -> dict:
         return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight,
-                "speed": self.speed}
+                "speed": self.speed, "models": list(self.models), "id": self.id}
 
     @staticmethod
     def from_dict(d: dict) -> WorkerSpec:
@@ -206,8 +218,15 @@ class WorkerSpec:
         _check(isinstance(mi, int) and not isinstance(mi, bool), "worker 'max_inflight' must be an integer")
         speed = d.get("speed", 1.0)
         _check(isinstance(speed, (int, float)) and not isinstance(speed, bool), "worker 'speed' must be a number")
+        models = d.get("models", [])
+        if isinstance(models, str):
+            models = [models]
+        _check(isinstance(models, list) and all(isinstance(m, str) for m in models),
+               "worker 'models' must be a list of model names")
+        wid = d.get("id") or ""
+        _check(isinstance(wid, str), "worker 'id' must be a string")
         return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi,
-                          speed=float(speed))
+                          speed=float(speed), models=tuple(models), id=wid)
 
 
 @dataclass(frozen=True)
@@ -221,6 +240,10 @@ class RouterConfig:
         (a non-streaming answer arrives whole, so this bounds the whole generation) (504).
     upstream_idle_timeout_s: longest silence between two chunks of a response body.
     breaker: per-worker circuit breaker on 5xx answers and timeouts, shared by replicas.
+    admin_token: the bearer token of the /admin API; None = the admin API is off (403).
+    worker_header: answer with ``X-Gcache-Worker: <worker id>`` (never the URL); off by default.
+    worker_id_salt: key of the derived worker ids (empty = the namespace); set a secret one if
+        clients must not be able to guess worker addresses from ids.
     """
 
     policy: str = "min_ttft"
@@ -238,6 +261,9 @@ class RouterConfig:
     upstream_idle_timeout_s: float = 120.0
     retries: int = 2
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    admin_token: str | None = None
+    worker_header: bool = False
+    worker_id_salt: str = ""
     health_interval_s: float = 2.0
     health_failures: int = 2
     redis_timeout_s: float = 0.5
@@ -249,7 +275,16 @@ class RouterConfig:
                      "upstream_idle_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        _check(self.admin_token is None or len(self.admin_token) >= 16,
+               "admin_token must be at least 16 characters (or None to turn the admin API off)")
         _check(self.health_interval_s > 0, "health_interval_s must be > 0")
         _check(self.health_failures >= 1, "health_failures must be >= 1")
         _check(self.redis_timeout_s > 0, "redis_timeout_s must be > 0")
         _check(bool(self.namespace) and ":" not in self.namespace, "namespace must be non-empty, without ':'")
+
+
+def worker_id(spec: WorkerSpec, salt: str) -> str:
+    """The id clients and metrics see: the spec's own, else a keyed hash of its URL."""
+    if spec.id:
+        return spec.id
+    return "w-" + hashlib.blake2b(spec.name.encode(), key=salt.encode()[:64], digest_size=6).hexdigest()

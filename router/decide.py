@@ -20,6 +20,7 @@ class Outcome(enum.Enum):
     ROUTED = "routed"
     FULL = "full"  # eligible workers exist but all are at max_inflight: wait in the queue
     NO_WORKER = "no_worker"  # no healthy worker can serve this length: fail now
+    NO_MODEL = "no_model"  # no worker at all serves the requested model
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,15 @@ def plan(
     key: int = 0,
     l3_blocks: int = 0,
     exclude: frozenset[str] = frozenset(),
+    model: str | None = None,
 ) -> Plan:
     """``l3_blocks``: leading blocks of the prompt any worker can load from the shared L3
-    tier; ``exclude``: workers not to use (already tried for this request)."""
-    llm = [s for s in states if s.spec.role == "llm" and s.routable and s.name not in exclude]
+    tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
+    workers serving it (WorkerSpec.serves)."""
+    group_all = [s for s in states if s.spec.role == "llm" and s.spec.serves(model)]
+    if model is not None and not group_all:
+        return Plan(Outcome.NO_MODEL, 0)
+    llm = [s for s in group_all if s.routable and s.name not in exclude]
     bucket, names = buckets.group(n_tokens, llm)
     if not names:
         return Plan(Outcome.NO_WORKER, bucket)

@@ -3,6 +3,8 @@ replicas can live in one process, as they do in the tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.state_base import WorkerState
@@ -63,13 +65,15 @@ class RouterMetrics:
         if self._prompt:
             self.hit_rate.set(self._cached / self._prompt)
 
-    def set_workers(self, states: list[WorkerState]) -> None:
+    def set_workers(self, states: list[WorkerState], worker_id: Callable[[str], str]) -> None:
+        """Per-worker gauges, labelled with the worker id (GET /admin/workers maps ids to URLs)."""
         for g in (self.worker_inflight, self.worker_pending, self.worker_healthy):
             g.clear()
         for s in states:
-            self.worker_inflight.labels(s.name).set(s.inflight_requests)
-            self.worker_pending.labels(s.name).set(s.pending_ms)
-            self.worker_healthy.labels(s.name).set(1 if s.healthy else 0)
+            wid = worker_id(s.name)
+            self.worker_inflight.labels(wid).set(s.inflight_requests)
+            self.worker_pending.labels(wid).set(s.pending_ms)
+            self.worker_healthy.labels(wid).set(1 if s.healthy else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

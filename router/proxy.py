@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from router.admin import Admin
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, StateMode, WorkerSpec
+from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
 from router.forward import NeverReached, Timeouts, forward, json_error
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
@@ -60,6 +61,8 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
         self.timeouts = Timeouts(cfg.upstream_first_byte_timeout_s, cfg.upstream_idle_timeout_s)
+        self.id_salt = cfg.worker_id_salt or cfg.namespace
+        self._ids: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Router(policy={self.policy.name}, state={self.state!r})"
@@ -134,11 +137,12 @@ class Router:
                     return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
                                  "upstream_error")
                 headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
-                return error(e.status, str(e), "service_unavailable", headers)
+                return error(e.status, str(e), e.reason if e.status == 404 else "service_unavailable", headers)
             worker = decision.worker
             try:
+                extra = {"X-Gcache-Worker": self.worker_id(worker)} if cfg.worker_header else {}
                 res = await forward(self.upstream, request, body, worker + request.path_qs, self.timeouts,
-                                    {"X-Gcache-Worker": worker}, functools.partial(self.state.prefill_done, lease))
+                                    extra, functools.partial(self.state.prefill_done, lease))
             except NeverReached as e:
                 failure = str(e)
                 tried.add(worker)
@@ -159,33 +163,21 @@ class Router:
         return web.json_response({"status": "ok", "state": mode, "queue_depth": self.admission.depth()})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        self.metrics.set_workers(await self.state.snapshot(()))
+        self.metrics.set_workers(await self.state.snapshot(()), self.worker_id)
         self.metrics.redis_up.set(0 if self.state.degraded else 1)
         self.metrics.redis_errors.set(getattr(self.state, "errors", 0))
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def list_workers(self, request: web.Request) -> web.Response:
-        snap = await self.state.snapshot(())
-        return web.json_response({"workers": [
-            {**s.spec.to_dict(), "healthy": s.healthy, "inflight_requests": s.inflight_requests,
-             "pending_prefill_ms": s.pending_ms} for s in snap
-        ]})
+    def forget_ids(self) -> None:
+        self._ids.clear()
 
-    async def add_worker(self, request: web.Request) -> web.Response:
-        try:
-            spec = WorkerSpec.from_dict(await request.json())
-        except (ValueError, UnicodeDecodeError) as e:
-            return error(400, f"bad worker: {e}")
-        await self.state.add_worker(spec)
-        return web.json_response({"added": spec.to_dict()}, status=201)
-
-    async def remove_worker(self, request: web.Request) -> web.Response:
-        url = request.query.get("url", "").rstrip("/")
-        if not url:
-            return error(400, "give the worker to remove as ?url=http://host:port")
-        if not await self.state.remove_worker(url):
-            return error(404, f"no worker {url!r}", "not_found")
-        return web.json_response({"removed": url})
+    def worker_id(self, name: str) -> str:
+        wid = self._ids.get(name)
+        if wid is None:
+            spec = next((w for w in self.state.known_specs() if w.name == name), None)
+            wid = worker_id(spec or WorkerSpec(name), self.id_salt)
+            self._ids[name] = wid
+        return wid
 
 
 APP_KEY = web.AppKey("router", Router)
@@ -200,8 +192,8 @@ async def json_errors(request: web.Request,
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"unknown route {request.path}; routes: {', '.join(LLM_ROUTES)}, /health, /metrics, "
-                    "/admin/workers",
+        msg = {404: f"unknown route {request.path}; routes: {', '.join(LLM_ROUTES)}, /v1/models, /health, "
+                    "/metrics, /admin/workers",
                405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
         return error(e.status, msg, "not_found" if e.status == 404 else "invalid_request_error")
 
@@ -214,9 +206,11 @@ def build_app(cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState |
         app.router.add_post(path, router.handle_llm)
     app.router.add_get("/health", router.handle_health)
     app.router.add_get("/metrics", router.handle_metrics)
-    app.router.add_get("/admin/workers", router.list_workers)
-    app.router.add_post("/admin/workers", router.add_worker)
-    app.router.add_delete("/admin/workers", router.remove_worker)
+    admin = Admin(router)
+    app.router.add_get("/v1/models", admin.models)
+    app.router.add_get("/admin/workers", admin.list_workers)
+    app.router.add_post("/admin/workers", admin.add_worker)
+    app.router.add_delete("/admin/workers", admin.remove_worker)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     return app

@@ -39,6 +39,7 @@ class ParsedRequest:
     n_tokens: int
     media_keys: list[str] = field(default_factory=list)
     stream: bool = False
+    model: str | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -52,6 +53,16 @@ def parse_request(path: str, body: object, cfg: PrefixConfig) -> ParsedRequest:
     """Extract routing inputs from a decoded JSON body. Raises BadRequest with a clear message."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    if model is not None:
+        utf8(model, "'model'")
+    p = _parse(path, body, cfg)
+    return ParsedRequest(p.hashes, p.n_tokens, p.media_keys, p.stream, model)
+
+
+def _parse(path: str, body: dict, cfg: PrefixConfig) -> ParsedRequest:
     media: list[str] = []
     stream = bool(body.get("stream", False))
     if path.endswith("/chat/completions"):

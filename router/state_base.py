@@ -97,6 +97,10 @@ class RouterState(abc.ABC):
     async def list_workers(self) -> list[WorkerSpec]: ...
 
     @abc.abstractmethod
+    def known_specs(self) -> list[WorkerSpec]:
+        """The workers this replica knows of right now, without I/O."""
+
+    @abc.abstractmethod
     async def set_health(self, name: str, healthy: bool) -> None: ...
 
     @abc.abstractmethod

@@ -83,6 +83,9 @@ class MemoryState(RouterState):
     async def remove_worker(self, name: str) -> bool:
         return self.remove_worker_sync(name)
 
+    def known_specs(self) -> list[WorkerSpec]:
+        return list(self.workers.values())
+
     async def list_workers(self) -> list[WorkerSpec]:
         return [self.workers[n] for n in sorted(self.workers)]
 

@@ -253,6 +253,9 @@ class RedisState(RouterState):
                                 ("srem", f"{self.ns}:down", name), ("hdel", f"{self.ns}:cb", f"f:{name}", f"o:{name}"))
         return found or bool(res and res[0])
 
+    def known_specs(self) -> list[WorkerSpec]:
+        return self.local.known_specs()
+
     async def list_workers(self) -> list[WorkerSpec]:
         return [s.spec for s in await self.snapshot(())]
 

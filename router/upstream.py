@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -133,8 +134,9 @@ class UpstreamPool:
                 reader, writer = await asyncio.open_connection(key[0], key[1], limit=_HEAD_LIMIT)
         except TimeoutError:
             raise Unreached(f"connect timeout after {self.connect_timeout_s:g}s") from None
-        except OSError as e:
-            raise Unreached(f"connect failed: {e}") from None
+        except OSError as e:  # the message names no address: it may reach a client
+            why = os.strerror(e.errno) if e.errno else type(e).__name__
+            raise Unreached(f"connect failed: {why}") from None
         return _Conn(reader, writer)
 
     async def post(self, url: str, headers: list[tuple[str, str]], body: bytes) -> Response:
@@ -157,7 +159,7 @@ class UpstreamPool:
                 conn.close()
                 partial = getattr(e, "partial", b"")
                 if partial:
-                    raise UpstreamError(f"connection broke inside the response head: {e}") from None
+                    raise UpstreamError(f"connection broke inside the response head: {type(e).__name__}") from None
                 if conn.reused:
                     continue  # the worker closed an idle connection: nothing was sent to it, try a fresh one
                 raise Unreached(f"connection closed before any response byte: {type(e).__name__}") from None

@@ -44,12 +44,16 @@ class FakeWorker:
         for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
             app.router.add_post(path, self.infer)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/release", self.release)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": self.healthy, "instance_id": self.instance_id},
                                  status=200 if self.healthy else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def release(self, request: web.Request) -> web.Response:
         self.gate.set()

@@ -14,7 +14,7 @@ from router.breaker import BreakerConfig, Circuit
 from router.config import StateMode, WorkerSpec
 from router.proxy import APP_KEY, build_app
 from router.request import parse_request
-from tests.router.conftest import poll, serve_app, test_config
+from tests.router.conftest import ADMIN, poll, serve_app, test_config, wid
 from tests.router.fakeworker import FakeWorker
 
 CONV = "a long conversation about caches " * 20
@@ -58,19 +58,19 @@ def test_breaker_is_shared_by_replicas_through_redis(redis_proc):
             bad.fail_status = 500
             for i in range(3):  # three 5xx through replica 0 open the circuit...
                 async with s.post(urls[0] + "/v1/completions", json={"prompt": f"q{i}"}) as r:
-                    assert r.status == 500 and r.headers["X-Gcache-Worker"] == burl
+                    assert r.status == 500 and r.headers["X-Gcache-Worker"] == wid(burl)
 
             async def open_on_replica_1():
                 return {w.name: w.circuit_open for w in await routers[1].state.snapshot(())}[burl]
             await poll(open_on_replica_1, what="replica 1 sees the circuit replica 0 opened")
             for i in range(3):  # ...and replica 1, which saw none of them, keeps away too
                 async with s.post(urls[1] + "/v1/completions", json={"prompt": f"r{i}"}) as r:
-                    assert r.status == 200 and r.headers["X-Gcache-Worker"] == gurl
+                    assert r.status == 200 and r.headers["X-Gcache-Worker"] == wid(gurl)
             bad.fail_status = 0
 
             async def back():  # half-open after open_s: the next request tries it, a success closes it
                 async with s.post(urls[1] + "/v1/completions", json={"prompt": "probe"}) as r:
-                    return r.status == 200 and r.headers["X-Gcache-Worker"] == burl
+                    return r.status == 200 and r.headers["X-Gcache-Worker"] == wid(burl)
             await poll(back, timeout=10, interval=0.2, what="circuit half-open and closed again")
             rc = aioredis.Redis.from_url(redis_proc.url)
             try:
@@ -88,7 +88,7 @@ def test_breaker_counts_timeouts_in_memory_mode():
                 async with s.post(urls[0] + "/v1/completions", json={"prompt": f"q{i}", "hold": True}) as r:
                     assert r.status == 504 and r.headers.get("X-Gcache-Worker") is None
             async with s.post(urls[0] + "/v1/completions", json={"prompt": "next"}) as r:
-                assert r.status == 200 and r.headers["X-Gcache-Worker"] == gurl
+                assert r.status == 200 and r.headers["X-Gcache-Worker"] == wid(gurl)
             snap = {w.name: w for w in await routers[0].state.snapshot(())}
             assert snap[burl].circuit_open and not snap[gurl].circuit_open
             bad.gate.set()
@@ -108,14 +108,14 @@ def test_a_restarted_worker_loses_its_prefixes(state, request):
         async with fleet(state=state, redis_url=redis_url) as (urls, s, (burl, bad), _good, routers):
             router = routers[0]
             async with s.post(urls[0] + "/v1/completions", json={"prompt": CONV}) as r:
-                assert r.headers["X-Gcache-Worker"] == burl
+                assert r.headers["X-Gcache-Worker"] == wid(burl)
             await poll(lambda: router.health.instance.get(burl) == "1", what="instance id seen")
             assert await matched(router, burl) > 5
             bad.instance_id = "2"  # the worker restarted between two health checks
             await poll(lambda: _is(matched(router, burl), 0), what="prefixes forgotten after a restart")
 
             async with s.post(urls[0] + "/v1/completions", json={"prompt": CONV}) as r:
-                assert r.headers["X-Gcache-Worker"] == burl
+                assert r.headers["X-Gcache-Worker"] == wid(burl)
             assert await matched(router, burl) > 5
             bad.healthy = False  # down, then back: assume it restarted
             await poll(lambda: _not_healthy(router, burl), what="worker marked down")
@@ -123,10 +123,10 @@ def test_a_restarted_worker_loses_its_prefixes(state, request):
             await poll(lambda: _is(matched(router, burl), 0), what="prefixes forgotten after down -> up")
 
             async with s.post(urls[0] + "/v1/completions", json={"prompt": CONV}) as r:
-                assert r.headers["X-Gcache-Worker"] == burl
-            async with s.delete(urls[0] + "/admin/workers", params={"url": burl}) as r:
+                assert r.headers["X-Gcache-Worker"] == wid(burl)
+            async with s.delete(urls[0] + "/admin/workers", params={"url": burl}, headers=ADMIN) as r:
                 assert r.status == 200
-            async with s.post(urls[0] + "/admin/workers", json={"url": burl}) as r:
+            async with s.post(urls[0] + "/admin/workers", json={"url": burl}, headers=ADMIN) as r:
                 assert r.status == 201
             assert await matched(router, burl) == 0  # removed and re-added: starts empty
     asyncio.run(main())

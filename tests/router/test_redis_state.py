@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from router.config import StateMode, WorkerSpec
 from router.proxy import APP_KEY, build_app
-from tests.router.conftest import poll, serve_app, test_config
+from tests.router.conftest import poll, serve_app, test_config, url_of
 from tests.router.fakeworker import FakeWorker
 
 
@@ -109,7 +109,7 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
             for i in range(3, 6):
                 async with s.post(url + "/v1/completions", json={"prompt": conv(i)}) as r:
                     assert r.status == 200
-                    outage_worker = r.headers["X-Gcache-Worker"]
+                    outage_worker = url_of(r, fakes)
             health = await (await s.get(url + "/health")).json()
             assert health["state"] == "degraded"
             metrics = await (await s.get(url + "/metrics")).text()
