@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.buckets import BucketMap
@@ -44,7 +45,9 @@ class _Waiter:
 
 class Admission:
     def __init__(self, cfg: RouterConfig, state: RouterState, policy: Policy, metrics: RouterMetrics,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, exact: Callable[[ParsedRequest], dict[str, int]] | None = None) -> None:
+        """``exact(req)``: prompt tokens each worker holds by its KV events (workers that publish)."""
+        self.exact = exact
         self.cfg = cfg
         self.state = state
         self.policy = policy
@@ -140,7 +143,8 @@ class Admission:
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
-                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude, model=req.model)
+                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude,
+                     model=req.model, exact=self.exact(req) if self.exact is not None else None)
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision

@@ -28,7 +28,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N,speed=X,"
-                        "models=NAME|NAME,id=NAME")
+                        "models=NAME|NAME,id=NAME,kv_events=tcp://HOST:PORT,kv_replay=tcp://HOST:PORT")
     p.add_argument("--config", metavar="FILE",
                    help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}')
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig().policy,
@@ -47,6 +47,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt-length ranges for worker groups (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=PrefixConfig().block_tokens,
                    help="tokens per hashed prefix block (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=0,
+                   help="the engines' KV page size (SGLang --page-size); turns on page hashing and the exact "
+                        "index fed by workers' KV events (kv_events=); 0 = off (default)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the workers' tokenizer.json (or a directory with it and tokenizer_config.json): route "
+                        "text by its real token ids; needs --page-size")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: tokenizer_config.json's)")
     p.add_argument("--inflight-penalty-ms", type=float, default=PolicyConfig().inflight_penalty_ms,
                    help="min_ttft: estimated ms added per request already in flight on a worker "
                         "(default: %(default)s)")
@@ -98,10 +105,11 @@ def parse_worker(arg: str) -> WorkerSpec:
                 raise ValueError(f"worker option speed needs a number, got {v!r}") from None
         elif k == "models":
             d[k] = [m for m in v.split("|") if m]
-        elif k in ("role", "id"):
+        elif k in ("role", "id", "kv_events", "kv_replay", "kv_topic"):
             d[k] = v
         else:
-            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=, models=, id=")
+            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=, models=, id=, "
+                         "kv_events=, kv_replay=, kv_topic=")
     return WorkerSpec.from_dict(d)
 
 
@@ -119,7 +127,8 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         policy=a.policy,
         policy_cfg=PolicyConfig(inflight_penalty_ms=a.inflight_penalty_ms),
         queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait),
-        prefix=PrefixConfig(block_tokens=a.block_tokens),
+        prefix=PrefixConfig(block_tokens=a.block_tokens, page_tokens=a.page_size, tokenizer_path=a.tokenizer,
+                            chat_template_path=a.chat_template),
         buckets=BucketConfig.parse(a.buckets),
         state=StateMode(a.state),
         redis_url=a.redis,
@@ -150,7 +159,11 @@ def serve(a: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_app(cfg, workers)
+    try:
+        app = build_app(cfg, workers)
+    except ValueError as e:  # a tokenizer or chat template that does not load
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True), loop=_event_loop(),
                 access_log=logging.getLogger("aiohttp.access") if a.access_log else None)
     return 0

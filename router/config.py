@@ -105,18 +105,33 @@ class PrefixConfig:
         characters, and their token count is estimated as len(text) / chars_per_token.
     max_blocks_per_worker: the index forgets a worker's least recently used blocks beyond this.
     ttl_s: a block not seen for this long is forgotten.
+    page_tokens: the engines' KV page size (SGLang ``--page-size``); > 0 turns on page
+        hashes: requests with token ids (given, or from ``tokenizer_path``) are hashed per
+        page for the exact index fed by engine KV events, and the approximate index keeps
+        every (block_tokens / page_tokens)-th page hash. 0 = no exact index.
+    tokenizer_path: the workers' tokenizer (tokenizer.json, or a directory with it and
+        tokenizer_config.json), so text requests are routed by their real token ids.
+    chat_template_path: a Jinja chat template overriding tokenizer_config.json's.
     """
 
     block_tokens: int = 512
     chars_per_token: int = 4
     max_blocks_per_worker: int = 200_000
     ttl_s: float = 600.0
+    page_tokens: int = 0
+    tokenizer_path: str | None = None
+    chat_template_path: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_tokens > 0, f"block_tokens must be > 0, got {self.block_tokens}")
         _check(self.chars_per_token > 0, f"chars_per_token must be > 0, got {self.chars_per_token}")
         _check(self.max_blocks_per_worker > 0, "max_blocks_per_worker must be > 0")
         _check(self.ttl_s > 0, f"ttl_s must be > 0, got {self.ttl_s}")
+        _check(self.page_tokens >= 0, f"page_tokens must be >= 0, got {self.page_tokens}")
+        _check(self.page_tokens == 0 or self.block_tokens % self.page_tokens == 0,
+               f"block_tokens ({self.block_tokens}) must be a multiple of page_tokens ({self.page_tokens})")
+        _check(self.tokenizer_path is None or self.page_tokens > 0,
+               "a tokenizer needs page_tokens (the engines' --page-size) to be set")
 
 
 DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((0, 65_536), (65_536, 262_144), (262_144, 1_048_576))
@@ -175,6 +190,9 @@ class WorkerSpec:
     models: the model names it serves (the request's "model" field picks a group); empty =
         any model.
     id: what clients and metrics see instead of the URL; empty = derived (``worker_id``).
+    kv_events: the worker's KV event publisher (SGLang ``--kv-events-config`` endpoint, e.g.
+        ``tcp://10.0.0.5:5557``); empty = the worker publishes nothing, the approximate index
+        stands in. kv_replay: its replay endpoint, if any. kv_topic: its topic.
     """
 
     url: str
@@ -184,6 +202,9 @@ class WorkerSpec:
     speed: float = 1.0
     models: tuple[str, ...] = ()
     id: str = ""
+    kv_events: str = ""
+    kv_replay: str = ""
+    kv_topic: str = ""
 
     def __post_init__(self) -> None:
         _check(
@@ -199,6 +220,11 @@ class WorkerSpec:
         _check(isinstance(self.id, str) and len(self.id) <= 64 and "/" not in self.id and ":" not in self.id,
                f"worker id must be a string of at most 64 characters without '/' or ':', got {self.id!r}")
 
+        for name in ("kv_events", "kv_replay"):
+            v = getattr(self, name)
+            _check(v == "" or v.startswith(("tcp://", "ipc://")), f"worker {name} must be a tcp:// or ipc:// "
+                   f"ZMQ endpoint, got {v!r}")
+
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models
     @property
@@ -207,7 +233,8 @@ class WorkerSpec:
 
     def to_dict(self) -> dict:
         return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight,
-                "speed": self.speed, "models": list(self.models), "id": self.id}
+                "speed": self.speed, "models": list(self.models), "id": self.id, "kv_events": self.kv_events,
+                "kv_replay": self.kv_replay, "kv_topic": self.kv_topic}
 
     @staticmethod
     def from_dict(d: dict) -> WorkerSpec:
@@ -225,8 +252,10 @@ class WorkerSpec:
                "worker 'models' must be a list of model names")
         wid = d.get("id") or ""
         _check(isinstance(wid, str), "worker 'id' must be a string")
+        kv = {k: d.get(k) or "" for k in ("kv_events", "kv_replay", "kv_topic")}
+        _check(all(isinstance(v, str) for v in kv.values()), "worker kv_events/kv_replay/kv_topic must be strings")
         return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi,
-                          speed=float(speed), models=tuple(models), id=wid)
+                          speed=float(speed), models=tuple(models), id=wid, **kv)
 
 
 @dataclass(frozen=True)

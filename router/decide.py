@@ -8,7 +8,7 @@ the lease, forward the request, or queue it).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.buckets import BucketMap
@@ -32,10 +32,6 @@ class Plan:
     work_ms: int = 0  # estimated prefill work the chosen worker is charged (ROUTED)
 
 
-def uncached(n_tokens: int, matched_blocks: int, block_tokens: int) -> int:
-    return max(0, n_tokens - matched_blocks * block_tokens)
-
-
 def plan(
     policy: Policy,
     buckets: BucketMap,
@@ -48,10 +44,12 @@ def plan(
     l3_blocks: int = 0,
     exclude: frozenset[str] = frozenset(),
     model: str | None = None,
+    exact: Mapping[str, int] | None = None,
 ) -> Plan:
     """``l3_blocks``: leading blocks of the prompt any worker can load from the shared L3
     tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
-    workers serving it (WorkerSpec.serves)."""
+    workers serving it (WorkerSpec.serves); ``exact``: prompt tokens a worker holds according
+    to its own KV events, which replace the approximate index's guess for that worker."""
     group_all = [s for s in states if s.spec.role == "llm" and s.spec.serves(model)]
     if model is not None and not group_all:
         return Plan(Outcome.NO_MODEL, 0)
@@ -61,15 +59,23 @@ def plan(
         return Plan(Outcome.NO_WORKER, bucket)
     allowed = set(names)
     group = [s for s in llm if s.name in allowed]
-    best_match = max(s.matched_blocks for s in group)
+    exact = exact or {}
+
+    def held(s: WorkerState) -> int:  # prompt tokens the worker holds
+        t = exact.get(s.name)
+        return min(n_tokens, s.matched_blocks * block_tokens if t is None else t)
+
+    l3_tokens = min(n_tokens, l3_blocks * block_tokens)
+    best = max(max(held(s) for s in group), l3_tokens)
     free = [s for s in group if s.inflight_requests < s.spec.max_inflight]
     if not free:
-        return Plan(Outcome.FULL, bucket, None, uncached(n_tokens, max(best_match, l3_blocks), block_tokens))
+        return Plan(Outcome.FULL, bucket, None, n_tokens - best)
     cands = []
     for s in free:
-        unc = uncached(n_tokens, s.matched_blocks, block_tokens)
-        l3 = min(unc, max(0, l3_blocks - s.matched_blocks) * block_tokens)
-        cands.append(Candidate(s.name, s.matched_blocks, s.inflight_requests, s.pending_ms, unc, l3, s.spec.speed,
+        h = held(s)
+        unc = n_tokens - h
+        l3 = max(0, l3_tokens - h)
+        cands.append(Candidate(s.name, h // block_tokens, s.inflight_requests, s.pending_ms, unc, l3, s.spec.speed,
                                s.match_age_s * 1000.0))
     d = policy.choose(RouteInput(n_blocks, n_tokens, ticket, key), cands)
     c = next(c for c in cands if c.name == d.worker)

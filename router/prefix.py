@@ -29,6 +29,14 @@ def chain_token_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]
     return _chain(memoryview(buf)[i * step : (i + 1) * step] for i in range(n_full))
 
 
+def next_token_hash(prev: int, token_ids: Sequence[int]) -> int:
+    """The chained hash of one block after a block whose hash is ``prev`` (0 before the first):
+    ``chain_token_hashes(ids, b)[i] == next_token_hash(chain[i - 1], ids[i*b:(i+1)*b])``."""
+    blk = np.asarray(token_ids, dtype=np.int64).tobytes()
+    h = xxhash.xxh3_64_intdigest(blk, seed=0) ^ xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little"), seed=1)
+    return h & _MASK63
+
+
 def chain_text_hashes(text: str, block_chars: int) -> list[int]:
     """Hash every full chunk of ``block_chars`` characters, each chained to the previous."""
     n_full = len(text) // block_chars

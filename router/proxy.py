@@ -23,12 +23,14 @@ from router.admission import Admission, Rejected
 from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
 from router.forward import NeverReached, Timeouts, forward, json_error
 from router.health import HealthChecker
+from router.kv_fleet import KvFleet
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.request import BadRequest, parse_request
 from router.state_base import RouterState
 from router.state_memory import MemoryState
 from router.state_redis import RedisState, heartbeat_loop
+from router.tokenize import Tokenization
 from router.upstream import UpstreamPool
 
 log = logging.getLogger("gcache.router.proxy")
@@ -54,7 +56,11 @@ class Router:
         self.state = state
         self.metrics = RouterMetrics()
         self.policy = make_policy(cfg.policy, cfg.policy_cfg)
-        self.admission = Admission(cfg, state, self.policy, self.metrics)
+        pc = cfg.prefix
+        self.tok = Tokenization.load(pc.tokenizer_path, pc.chat_template_path) if pc.tokenizer_path else None
+        self.kv = KvFleet(pc.page_tokens, self.state.forget_prefixes) if pc.page_tokens else None
+        self.admission = Admission(cfg, state, self.policy, self.metrics,
+                                   exact=self.kv.match if self.kv is not None else None)
         self.session: aiohttp.ClientSession | None = None
         self.upstream: UpstreamPool | None = None
         self.health: HealthChecker | None = None
@@ -76,12 +82,22 @@ class Router:
         self.health = HealthChecker(self.state, self.session, self.cfg.health_interval_s, self.cfg.health_failures)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.health.run(self._stopping)))
+        if self.kv is not None:
+            self._tasks.append(loop.create_task(self._kv_loop()))
         if isinstance(self.state, RedisState):
             self._tasks.append(loop.create_task(heartbeat_loop(self.state, min(1.0, self.cfg.health_interval_s),
                                                                self._stopping)))
 
+    async def _kv_loop(self) -> None:
+        """Keep one KV event subscriber per publishing worker, as workers come and go."""
+        while not self._stopping.is_set():
+            self.kv.reconcile(self.state.known_specs())
+            await asyncio.sleep(self.cfg.health_interval_s)
+
     async def stop(self, app: web.Application) -> None:
         self._stopping.set()
+        if self.kv is not None:
+            await self.kv.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -122,7 +138,7 @@ class Router:
         except (ValueError, UnicodeDecodeError) as e:
             return error(400, f"request body is not valid JSON: {e}")
         try:
-            parsed = parse_request(request.path, obj, cfg.prefix)
+            parsed = parse_request(request.path, obj, cfg.prefix, self.tok)
         except BadRequest as e:
             return error(400, str(e))
         except RecursionError:
