@@ -41,6 +41,7 @@ class _Waiter:
     fut: asyncio.Future = field(repr=False)
     since: float = 0.0
     exclude: frozenset[str] = frozenset()
+    l3_tokens: int = 0
 
 
 class Admission:
@@ -64,14 +65,15 @@ class Admission:
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
-    async def admit(self, req: ParsedRequest, exclude: frozenset[str] = frozenset()) -> tuple[Lease, Decision]:
-        """A lease on a worker for ``req``, not one in ``exclude``. Raises Rejected (503) when none
-        frees up in time."""
+    async def admit(self, req: ParsedRequest, exclude: frozenset[str] = frozenset(),
+                    l3_tokens: int = 0) -> tuple[Lease, Decision]:
+        """A lease on a worker for ``req``, not one in ``exclude``; ``l3_tokens`` of its prefix any
+        worker can load from the shared L3 tier. Raises Rejected (503) when none frees up in time."""
         if req.media_keys and not exclude:
             got = await self._try_encoder(req)
             if got is not None:
                 return got
-        p, got = await self._try(req, exclude, take=lambda p: not self.queues.get(p.bucket))
+        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.queues.get(p.bucket))
         if got is not None:
             return got
         if p.outcome is Outcome.NO_MODEL:
@@ -85,7 +87,7 @@ class Admission:
         if q.full():
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
-        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude)
+        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens)
         handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
@@ -123,7 +125,7 @@ class Admission:
                     if w is None or w.fut.done():
                         q.pop()
                         continue
-                    p, got = await self._try(w.req, w.exclude)
+                    p, got = await self._try(w.req, w.exclude, w.l3_tokens)
                     if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
                         break
                     q.pop()
@@ -137,14 +139,15 @@ class Admission:
                         w.fut.set_result(got)
             self.metrics.queue_depth.set(self.depth())
 
-    async def _try(self, req: ParsedRequest, exclude: frozenset[str],
+    async def _try(self, req: ParsedRequest, exclude: frozenset[str], l3_tokens: int = 0,
                    take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
         """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
                      self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude,
-                     model=req.model, exact=self.exact(req) if self.exact is not None else None)
+                     model=req.model, exact=self.exact(req) if self.exact is not None else None,
+                     l3_tokens=l3_tokens)
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision

@@ -19,6 +19,7 @@ from router.config import (
     StateMode,
     WorkerSpec,
 )
+from router.l3 import L3Config
 from router.policies import POLICIES
 from router.sim import cli as sim_cli
 
@@ -54,6 +55,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the workers' tokenizer.json (or a directory with it and tokenizer_config.json): route "
                         "text by its real token ids; needs --page-size")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: tokenizer_config.json's)")
+    p.add_argument("--l3-nodes", metavar="NODES",
+                   help="the gcache cluster the engines' HiCache writes to (HOST:PORT,... or gcache://MASTERS): "
+                        "one batched exists per request tells how much of its prefix any worker can load; "
+                        "needs --page-size and --l3-shard")
+    p.add_argument("--l3-shard", default="", help="the engines' KV shard name, e.g. Qwen-Qwen3-8B_tp0of1")
+    p.add_argument("--l3-namespace", default="sglang", help="gcache namespace of the engines (default: sglang)")
+    p.add_argument("--l3-timeout", type=float, default=0.05,
+                   help="seconds a request waits for the L3 answer before treating it as a miss (default: 0.05)")
     p.add_argument("--inflight-penalty-ms", type=float, default=PolicyConfig().inflight_penalty_ms,
                    help="min_ttft: estimated ms added per request already in flight on a worker "
                         "(default: %(default)s)")
@@ -142,6 +151,8 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         retries=a.retries,
         breaker=BreakerConfig(a.breaker_failures, a.breaker_open),
         admin_token=token,
+        l3=(L3Config(tuple(n for n in a.l3_nodes.split(",") if n) if not a.l3_nodes.startswith("gcache://")
+                     else (a.l3_nodes,), a.l3_shard, a.l3_namespace, a.l3_timeout) if a.l3_nodes else None),
         worker_header=a.worker_header,
         worker_id_salt=a.worker_id_salt,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from router.breaker import BreakerConfig
 from router.cost import PrefillCost
+from router.l3 import L3Config
 
 # Requests one router fleet sends a worker at once before it queues them: the default of
 # ``serve`` and of the simulator alike, so simulated results are for the setting users run.
@@ -273,6 +274,8 @@ class RouterConfig:
     worker_header: answer with ``X-Gcache-Worker: <worker id>`` (never the URL); off by default.
     worker_id_salt: key of the derived worker ids (empty = the namespace); set a secret one if
         clients must not be able to guess worker addresses from ids.
+    l3: the gcache cluster the engines' HiCache writes to (router/l3.py): one batched exists per
+        request says how much of its prefix every worker can load instead of recompute.
     """
 
     policy: str = "min_ttft"
@@ -293,6 +296,7 @@ class RouterConfig:
     admin_token: str | None = None
     worker_header: bool = False
     worker_id_salt: str = ""
+    l3: L3Config | None = None
     health_interval_s: float = 2.0
     health_failures: int = 2
     redis_timeout_s: float = 0.5
@@ -304,6 +308,8 @@ class RouterConfig:
                      "upstream_idle_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        _check(self.l3 is None or self.prefix.page_tokens > 0,
+               "L3 awareness needs the engines' page size (page_tokens, --page-size)")
         _check(self.admin_token is None or len(self.admin_token) >= 16,
                "admin_token must be at least 16 characters (or None to turn the admin API off)")
         _check(self.health_interval_s > 0, "health_interval_s must be > 0")

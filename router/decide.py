@@ -41,13 +41,12 @@ def plan(
     block_tokens: int,
     ticket: int = 0,
     key: int = 0,
-    l3_blocks: int = 0,
+    l3_tokens: int = 0,
     exclude: frozenset[str] = frozenset(),
     model: str | None = None,
     exact: Mapping[str, int] | None = None,
 ) -> Plan:
-    """``l3_blocks``: leading blocks of the prompt any worker can load from the shared L3
-    tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
+    """``l3_tokens``: leading prompt tokens any worker can load from the shared L3 tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
     workers serving it (WorkerSpec.serves); ``exact``: prompt tokens a worker holds according
     to its own KV events, which replace the approximate index's guess for that worker."""
     group_all = [s for s in states if s.spec.role == "llm" and s.spec.serves(model)]
@@ -65,7 +64,7 @@ def plan(
         t = exact.get(s.name)
         return min(n_tokens, s.matched_blocks * block_tokens if t is None else t)
 
-    l3_tokens = min(n_tokens, l3_blocks * block_tokens)
+    l3_tokens = min(n_tokens, l3_tokens)
     best = max(max(held(s) for s in group), l3_tokens)
     free = [s for s in group if s.inflight_requests < s.spec.max_inflight]
     if not free:

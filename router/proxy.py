@@ -24,6 +24,7 @@ from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
 from router.forward import NeverReached, Timeouts, forward, json_error
 from router.health import HealthChecker
 from router.kv_fleet import KvFleet
+from router.l3 import L3Probe
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.request import BadRequest, parse_request
@@ -59,6 +60,7 @@ class Router:
         pc = cfg.prefix
         self.tok = Tokenization.load(pc.tokenizer_path, pc.chat_template_path) if pc.tokenizer_path else None
         self.kv = KvFleet(pc.page_tokens, self.state.forget_prefixes) if pc.page_tokens else None
+        self.l3 = L3Probe(cfg.l3, pc.page_tokens) if cfg.l3 is not None else None
         self.admission = Admission(cfg, state, self.policy, self.metrics,
                                    exact=self.kv.match if self.kv is not None else None)
         self.session: aiohttp.ClientSession | None = None
@@ -98,6 +100,8 @@ class Router:
         self._stopping.set()
         if self.kv is not None:
             await self.kv.close()
+        if self.l3 is not None:
+            self.l3.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -143,11 +147,12 @@ class Router:
             return error(400, str(e))
         except RecursionError:
             return error(400, "request body is nested too deeply to be routed")
+        l3_tokens = await self.l3.loadable_tokens(parsed.token_ids) if self.l3 is not None else 0
         tried: set[str] = set()
         failure = ""
         for _ in range(cfg.retries + 1):
             try:
-                lease, decision = await self.admission.admit(parsed, frozenset(tried))
+                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens)
             except Rejected as e:
                 if tried:
                     return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",

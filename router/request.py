@@ -43,6 +43,7 @@ class ParsedRequest:
     stream: bool = False
     model: str | None = None
     page_hashes: list[int] = field(default_factory=list)  # pages of the exact index (page_tokens each)
+    token_ids: list[int] | None = field(default=None, repr=False)  # when known (given, or tokenized)
 
     @property
     def n_blocks(self) -> int:
@@ -114,7 +115,7 @@ class _Req:
         if page:
             pages = chain_token_hashes(ids, page)
             k = self.cfg.block_tokens // page
-            return ParsedRequest(pages[k - 1 :: k], len(ids), self.media, self.stream, self.model, pages)
+            return ParsedRequest(pages[k - 1 :: k], len(ids), self.media, self.stream, self.model, pages, ids)
         return ParsedRequest(chain_token_hashes(ids, self.cfg.block_tokens), len(ids), self.media, self.stream,
                              self.model)
 
