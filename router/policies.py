@@ -116,8 +116,9 @@ class LeastLoad(Policy):
 
 
 class GatedCacheAware(Policy):
-    """SGLang's cache-aware router: imbalance -> least load; else best match above a
-    threshold; else least load. Load here is in-flight requests, as in SGLang."""
+    """SGLang's cache-aware router: imbalance -> least load; else the best match if its match
+    rate (held prompt tokens / prompt tokens) reaches a threshold; else least load. Load here
+    is in-flight requests, as in SGLang."""
 
     name = "sglang"
 
@@ -127,9 +128,9 @@ class GatedCacheAware(Policy):
         by_req = min(cands, key=lambda c: (c.inflight_requests, tiebreak(c.name, req.key)))
         if hi - lo > self.cfg.balance_abs_threshold and hi > lo * self.cfg.balance_rel_threshold:
             return Decision(by_req.name, Reason.IMBALANCE, by_req.matched_blocks)
-        best = min(cands, key=lambda c: (-c.matched_blocks, c.inflight_requests, tiebreak(c.name, req.key)))
-        frac = best.matched_blocks / req.n_blocks if req.n_blocks else 0.0
-        if best.matched_blocks > 0 and frac >= self.cfg.cache_threshold:
+        best = min(cands, key=lambda c: (c.uncached_tokens, c.inflight_requests, tiebreak(c.name, req.key)))
+        held = req.n_tokens - best.uncached_tokens
+        if held > 0 and held >= self.cfg.cache_threshold * req.n_tokens:
             return Decision(best.name, Reason.CACHE_MATCH, best.matched_blocks)
         return Decision(by_req.name, Reason.NO_MATCH, by_req.matched_blocks)
 

@@ -40,14 +40,17 @@ def test_least_load_uses_work_per_speed_then_requests_then_spreads_ties_by_reque
 
 def test_gated_policy_three_branches():
     p = make_policy("sglang", CFG)
+
+    def G(name, held, reqs):  # a 100-token prompt, ``held`` of it on the worker
+        return C(name, held // 10, reqs, 0, 100 - held)
     # imbalance (6-1 > 2 and 6 > 1.5) -> least requests, cache ignored
-    d = p.choose(RouteInput(10, 100), [C("a", matched=9, reqs=6), C("b", reqs=1)])
+    d = p.choose(RouteInput(10, 100), [G("a", 90, 6), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("b", Reason.IMBALANCE)
-    # balanced, best match 5/10 >= 0.3 -> best match
-    d = p.choose(RouteInput(10, 100), [C("a", matched=5, reqs=2), C("b", reqs=1)])
+    # balanced, match rate 50/100 >= 0.3 -> best match
+    d = p.choose(RouteInput(10, 100), [G("a", 50, 2), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("a", Reason.CACHE_MATCH)
-    # balanced, best match 2/10 < 0.3 -> least load
-    d = p.choose(RouteInput(10, 100), [C("a", matched=2, reqs=2), C("b", reqs=1)])
+    # balanced, match rate 20/100 < 0.3 -> least load
+    d = p.choose(RouteInput(10, 100), [G("a", 20, 2), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("b", Reason.NO_MATCH)
 
 
