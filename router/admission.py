@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.buckets import BucketMap
@@ -39,11 +40,15 @@ class _Waiter:
     req: ParsedRequest
     fut: asyncio.Future = field(repr=False)
     since: float = 0.0
+    exclude: frozenset[str] = frozenset()
+    l3_tokens: int = 0
 
 
 class Admission:
     def __init__(self, cfg: RouterConfig, state: RouterState, policy: Policy, metrics: RouterMetrics,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, exact: Callable[[ParsedRequest], dict[str, int]] | None = None) -> None:
+        """``exact(req)``: prompt tokens each worker holds by its KV events (workers that publish)."""
+        self.exact = exact
         self.cfg = cfg
         self.state = state
         self.policy = policy
@@ -60,15 +65,20 @@ class Admission:
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
-    async def admit(self, req: ParsedRequest) -> tuple[Lease, Decision]:
-        """A lease on a worker for ``req``. Raises Rejected (503) when none frees up in time."""
-        if req.media_keys:
+    async def admit(self, req: ParsedRequest, exclude: frozenset[str] = frozenset(),
+                    l3_tokens: int = 0) -> tuple[Lease, Decision]:
+        """A lease on a worker for ``req``, not one in ``exclude``; ``l3_tokens`` of its prefix any
+        worker can load from the shared L3 tier. Raises Rejected (503) when none frees up in time."""
+        if req.media_keys and not exclude:
             got = await self._try_encoder(req)
             if got is not None:
                 return got
-        p, got = await self._try(req, take=lambda p: not self.queues.get(p.bucket))
+        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.queues.get(p.bucket))
         if got is not None:
             return got
+        if p.outcome is Outcome.NO_MODEL:
+            self.metrics.rejected.labels("no_model").inc()
+            raise Rejected(404, "model_not_found", f"no worker serves model {req.model!r}; GET /v1/models lists them")
         if p.outcome is Outcome.NO_WORKER:
             self.metrics.rejected.labels("no_worker").inc()
             raise Rejected(503, "no_worker", f"no healthy worker can serve a prompt of ~{req.n_tokens} tokens",
@@ -77,7 +87,7 @@ class Admission:
         if q.full():
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
-        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic())
+        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens)
         handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
@@ -115,29 +125,34 @@ class Admission:
                     if w is None or w.fut.done():
                         q.pop()
                         continue
-                    p, got = await self._try(w.req)
+                    p, got = await self._try(w.req, w.exclude, w.l3_tokens)
                     if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
                         break
                     q.pop()
-                    if got is None:
+                    if got is None and p.outcome is Outcome.NO_MODEL:
+                        w.fut.set_exception(Rejected(404, "model_not_found",
+                                                     f"no worker serves model {w.req.model!r} any more"))
+                    elif got is None:
                         w.fut.set_exception(Rejected(503, "no_worker", "no healthy worker for this request"))
                     else:
                         self.metrics.queue_wait.observe(time.monotonic() - w.since)
                         w.fut.set_result(got)
             self.metrics.queue_depth.set(self.depth())
 
-    async def _try(self, req: ParsedRequest, take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
+    async def _try(self, req: ParsedRequest, exclude: frozenset[str], l3_tokens: int = 0,
+                   take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
         """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
-            snap = await self.state.snapshot(req.hashes)
-            ticket = await self.state.next_ticket() if self.policy.name == "round_robin" else 0
+            snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
-                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0)
+                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude,
+                     model=req.model, exact=self.exact(req) if self.exact is not None else None,
+                     l3_tokens=l3_tokens)
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision
             limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
-            lease = await self.state.acquire(d.worker, limit, p.uncached_tokens, req.hashes)
+            lease = await self.state.acquire(d.worker, limit, p.work_ms, req.hashes)
             if lease is not None:
                 self.metrics.routed(self.policy.name, d.reason.value, req.n_tokens,
                                     req.n_tokens - p.uncached_tokens)
@@ -146,11 +161,12 @@ class Admission:
 
     async def _try_encoder(self, req: ParsedRequest) -> tuple[Lease, Decision] | None:
         snap = await self.state.snapshot(())
-        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.healthy}
+        enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.routable and s.spec.serves(req.model)}
         if not enc:
             return None
         owner = HashRing(enc).owner(req.media_keys[0])
-        lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, req.n_tokens, req.hashes)
+        work = self.policy.cfg.cost.work(req.n_tokens)
+        lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, work, req.hashes)
         if lease is None:
             return None  # the owner is saturated: fall back to ordinary routing
         self.metrics.routed(self.policy.name, Reason.ENCODER_AFFINITY.value, req.n_tokens, 0)

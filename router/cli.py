@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from router.bench import run as bench_run
+from router.breaker import BreakerConfig
 from router.config import (
     BucketConfig,
     PolicyConfig,
@@ -17,6 +19,7 @@ from router.config import (
     StateMode,
     WorkerSpec,
 )
+from router.l3 import L3Config
 from router.policies import POLICIES
 from router.sim import cli as sim_cli
 
@@ -25,12 +28,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N")
+                   help="an upstream worker, repeatable: URL or URL,bucket=N,role=encoder,max_inflight=N,speed=X,"
+                        "models=NAME|NAME,id=NAME,kv_events=tcp://HOST:PORT,kv_replay=tcp://HOST:PORT")
     p.add_argument("--config", metavar="FILE",
                    help='JSON file: {"workers": [{"url": ..., "bucket": 0, "role": "llm", "max_inflight": 64}]}, '
                         "or a gcache.toml (FILE.toml) whose [router] section gives these flags' defaults "
                         "(--worker flags add to its workers)")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="gcache", help="routing policy (default: gcache)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig().policy,
+                   help="routing policy (default: %(default)s)")
     p.add_argument("--state", choices=[m.value for m in StateMode], default="memory",
                    help="memory: one replica, no Redis; redis: stateless replicas sharing --redis")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL for --state redis")
@@ -45,13 +50,53 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt-length ranges for worker groups (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=PrefixConfig().block_tokens,
                    help="tokens per hashed prefix block (default: %(default)s)")
-    p.add_argument("--match-weight", type=float, default=PolicyConfig().match_weight,
-                   help="gcache policy: weight of the prefix-match fraction (default: %(default)s)")
-    p.add_argument("--min-match-blocks", type=int, default=PolicyConfig().min_match_blocks,
-                   help="gcache policy: shorter matches count as none (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=0,
+                   help="the engines' KV page size (SGLang --page-size); turns on page hashing and the exact "
+                        "index fed by workers' KV events (kv_events=); 0 = off (default)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the workers' tokenizer.json (or a directory with it and tokenizer_config.json): route "
+                        "text by its real token ids; needs --page-size")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: tokenizer_config.json's)")
+    p.add_argument("--l3-nodes", metavar="NODES",
+                   help="the gcache cluster the engines' HiCache writes to (HOST:PORT,... or gcache://MASTERS): "
+                        "one batched exists per request tells how much of its prefix any worker can load; "
+                        "needs --page-size and --l3-shard")
+    p.add_argument("--l3-shard", default="", help="the engines' KV shard name, e.g. Qwen-Qwen3-8B_tp0of1")
+    p.add_argument("--l3-namespace", default="sglang", help="gcache namespace of the engines (default: sglang)")
+    p.add_argument("--l3-timeout", type=float, default=0.05,
+                   help="seconds a request waits for the L3 answer before treating it as a miss (default: 0.05)")
+    p.add_argument("--inflight-penalty-ms", type=float, default=PolicyConfig().inflight_penalty_ms,
+                   help="min_ttft: estimated ms added per request already in flight on a worker "
+                        "(default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, help="largest request body accepted (default: 32)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    d = RouterConfig()
+    p.add_argument("--body-timeout", type=float, default=d.client_body_timeout_s,
+                   help="seconds a client has to send its request body (default: %(default)s)")
+    p.add_argument("--connect-timeout", type=float, default=d.upstream_connect_timeout_s,
+                   help="seconds to connect to a worker (default: %(default)s)")
+    p.add_argument("--first-byte-timeout", type=float, default=d.upstream_first_byte_timeout_s,
+                   help="seconds until a worker's response headers (default: %(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=d.upstream_idle_timeout_s,
+                   help="longest silence in seconds between two chunks of a response (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=d.retries,
+                   help="other workers to try when the chosen one was never reached (default: %(default)s)")
+    p.add_argument("--breaker-failures", type=int, default=d.breaker.failures,
+                   help="consecutive failures that open a worker's circuit (default: %(default)s)")
+    p.add_argument("--breaker-open", type=float, default=d.breaker.open_s,
+                   help="seconds an open circuit keeps requests away (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.add_argument("--admin-token-file", metavar="FILE",
+                   help="file holding the bearer token of the /admin API (16+ characters); without it the "
+                        "admin API is off")
+    p.add_argument("--worker-header", action="store_true",
+                   help="answer with X-Gcache-Worker: <worker id> (never the worker's URL); off by default")
+    p.add_argument("--worker-id-salt", default="",
+                   help="key of the derived worker ids (default: the namespace); set a secret one so clients "
+                        "cannot guess worker addresses from ids")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every request (aiohttp's access log at INFO); off by default, it costs "
+                        "throughput")
 
 
 def parse_worker(arg: str) -> WorkerSpec:
@@ -64,30 +109,54 @@ def parse_worker(arg: str) -> WorkerSpec:
                 d[k] = int(v)
             except ValueError:
                 raise ValueError(f"worker option {k} needs an integer, got {v!r}") from None
-        elif k == "role":
+        elif k == "speed":
+            try:
+                d[k] = float(v)
+            except ValueError:
+                raise ValueError(f"worker option speed needs a number, got {v!r}") from None
+        elif k == "models":
+            d[k] = [m for m in v.split("|") if m]
+        elif k in ("role", "id", "kv_events", "kv_replay", "kv_topic"):
             d[k] = v
         else:
-            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=")
+            raise ValueError(f"unknown worker option {k!r} in {arg!r}; use bucket=, role=, max_inflight=, speed=, models=, id=, "
+                         "kv_events=, kv_replay=, kv_topic=")
     return WorkerSpec.from_dict(d)
 
 
 def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSpec]]:
     workers = [parse_worker(w) for w in a.worker]
+    token = None
+    if a.admin_token_file:
+        with open(a.admin_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
     if a.config:
         with open(a.config, encoding="utf-8") as f:
             doc = json.load(f)
         workers += [WorkerSpec.from_dict(w) for w in doc.get("workers", [])]
     cfg = RouterConfig(
         policy=a.policy,
-        policy_cfg=PolicyConfig(match_weight=a.match_weight, min_match_blocks=a.min_match_blocks),
+        policy_cfg=PolicyConfig(inflight_penalty_ms=a.inflight_penalty_ms),
         queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait),
-        prefix=PrefixConfig(block_tokens=a.block_tokens),
+        prefix=PrefixConfig(block_tokens=a.block_tokens, page_tokens=a.page_size, tokenizer_path=a.tokenizer,
+                            chat_template_path=a.chat_template),
         buckets=BucketConfig.parse(a.buckets),
         state=StateMode(a.state),
         redis_url=a.redis,
         namespace=a.namespace,
         max_body_bytes=int(a.max_body_mb * 1024 * 1024),
         health_interval_s=a.health_interval,
+        client_body_timeout_s=a.body_timeout,
+        upstream_connect_timeout_s=a.connect_timeout,
+        upstream_first_byte_timeout_s=a.first_byte_timeout,
+        upstream_idle_timeout_s=a.idle_timeout,
+        retries=a.retries,
+        breaker=BreakerConfig(a.breaker_failures, a.breaker_open),
+        admin_token=token,
+        l3=(L3Config(tuple(n for n in a.l3_nodes.split(",") if n) if not a.l3_nodes.startswith("gcache://")
+                     else (a.l3_nodes,), a.l3_shard, a.l3_namespace, a.l3_timeout) if a.l3_nodes else None),
+        worker_header=a.worker_header,
+        worker_id_salt=a.worker_id_salt,
     )
     return cfg, workers
 
@@ -103,9 +172,23 @@ def serve(a: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_app(cfg, workers)
-    web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True))
+    try:
+        app = build_app(cfg, workers)
+    except ValueError as e:  # a tokenizer or chat template that does not load
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=a.host, port=a.port, print=lambda m: print(m, flush=True), loop=_event_loop(),
+                access_log=logging.getLogger("aiohttp.access") if a.access_log else None)
     return 0
+
+
+def _event_loop():
+    try:
+        import uvloop
+    except ImportError:  # the router extra installs it; without it the router still runs, slower
+        logging.getLogger("gcache.router").warning("uvloop not installed; using the default asyncio loop")
+        return None
+    return uvloop.new_event_loop()
 
 
 def main(argv: list[str] | None = None) -> int:

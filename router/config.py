@@ -7,7 +7,16 @@ value raises ``ValueError`` naming the field and what to change.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
+
+from router.breaker import BreakerConfig
+from router.cost import PrefillCost
+from router.l3 import L3Config
+
+# Requests one router fleet sends a worker at once before it queues them: the default of
+# ``serve`` and of the simulator alike, so simulated results are for the setting users run.
+DEFAULT_MAX_INFLIGHT = 64
 
 
 class StateMode(enum.Enum):
@@ -34,34 +43,33 @@ def _check(cond: bool, msg: str) -> None:
 class PolicyConfig:
     """Knobs of the routing policies.
 
-    match_weight: weight of the prefix-match fraction in the gcache score
-        ``score(w) = match_weight * match_fraction(w) - normalized_load(w)``.
-    min_match_blocks: matches shorter than this many blocks count as zero, so a
-        prefix every request shares (a system prompt) cannot pull all traffic.
-    load_floor_tokens: normalized_load(w) = load(w) / max(max_v load(v), load_floor_tokens);
-        the floor keeps tiny absolute differences from looking like imbalance.
-    decode_tokens_per_request: each in-flight request adds this many tokens of load
-        (its decode work), on top of its not-yet-prefilled uncached tokens.
+    cost: the prefill-time estimate (``router.cost.PrefillCost``) the min_ttft policy and the
+        load accounting use; a worker's pending work is kept in these milliseconds.
+    inflight_penalty_ms: min_ttft adds this per request already in flight on a worker (the
+        decode work interleaved with a new prefill); it also spreads ties toward idle workers.
+    affinity_weight, busy_scale_ms: min_ttft charges a spill's redundant prefill
+        ``affinity_weight + mean pending ms of the other workers / busy_scale_ms`` times.
+    hot_load: a prefix whose warm prefill time is at least this fraction of the interval
+        between its requests is hot: it spills as soon as that shortens time to first token.
     balance_abs_threshold / balance_rel_threshold / cache_threshold: the SGLang-style
         gated policy (imbalanced when max-min > abs and max > rel x min, in requests).
     """
 
-    match_weight: float = 1.5
-    min_match_blocks: int = 2
-    load_floor_tokens: int = 16384
-    decode_tokens_per_request: int = 512
+    cost: PrefillCost = field(default_factory=PrefillCost)
+    inflight_penalty_ms: float = 2.0
+    affinity_weight: float = 8.0
+    busy_scale_ms: float = 10.0
+    hot_load: float = 0.5
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3
 
     def __post_init__(self) -> None:
-        _check(self.match_weight >= 0, f"match_weight must be >= 0, got {self.match_weight}")
-        _check(self.min_match_blocks >= 0, f"min_match_blocks must be >= 0, got {self.min_match_blocks}")
-        _check(self.load_floor_tokens > 0, f"load_floor_tokens must be > 0, got {self.load_floor_tokens}")
-        _check(
-            self.decode_tokens_per_request >= 0,
-            f"decode_tokens_per_request must be >= 0, got {self.decode_tokens_per_request}",
-        )
+        _check(isinstance(self.cost, PrefillCost), f"cost must be a PrefillCost, got {self.cost!r}")
+        _check(self.inflight_penalty_ms >= 0, f"inflight_penalty_ms must be >= 0, got {self.inflight_penalty_ms}")
+        _check(self.affinity_weight >= 0, f"affinity_weight must be >= 0, got {self.affinity_weight}")
+        _check(self.busy_scale_ms > 0, f"busy_scale_ms must be > 0, got {self.busy_scale_ms}")
+        _check(self.hot_load > 0, f"hot_load must be > 0, got {self.hot_load}")
         _check(self.balance_abs_threshold >= 0, "balance_abs_threshold must be >= 0")
         _check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1.0")
         _check(0.0 <= self.cache_threshold <= 1.0, "cache_threshold must be in [0, 1]")
@@ -98,18 +106,33 @@ class PrefixConfig:
         characters, and their token count is estimated as len(text) / chars_per_token.
     max_blocks_per_worker: the index forgets a worker's least recently used blocks beyond this.
     ttl_s: a block not seen for this long is forgotten.
+    page_tokens: the engines' KV page size (SGLang ``--page-size``); > 0 turns on page
+        hashes: requests with token ids (given, or from ``tokenizer_path``) are hashed per
+        page for the exact index fed by engine KV events, and the approximate index keeps
+        every (block_tokens / page_tokens)-th page hash. 0 = no exact index.
+    tokenizer_path: the workers' tokenizer (tokenizer.json, or a directory with it and
+        tokenizer_config.json), so text requests are routed by their real token ids.
+    chat_template_path: a Jinja chat template overriding tokenizer_config.json's.
     """
 
     block_tokens: int = 512
     chars_per_token: int = 4
     max_blocks_per_worker: int = 200_000
     ttl_s: float = 600.0
+    page_tokens: int = 0
+    tokenizer_path: str | None = None
+    chat_template_path: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_tokens > 0, f"block_tokens must be > 0, got {self.block_tokens}")
         _check(self.chars_per_token > 0, f"chars_per_token must be > 0, got {self.chars_per_token}")
         _check(self.max_blocks_per_worker > 0, "max_blocks_per_worker must be > 0")
         _check(self.ttl_s > 0, f"ttl_s must be > 0, got {self.ttl_s}")
+        _check(self.page_tokens >= 0, f"page_tokens must be >= 0, got {self.page_tokens}")
+        _check(self.page_tokens == 0 or self.block_tokens % self.page_tokens == 0,
+               f"block_tokens ({self.block_tokens}) must be a multiple of page_tokens ({self.page_tokens})")
+        _check(self.tokenizer_path is None or self.page_tokens > 0,
+               "a tokenizer needs page_tokens (the engines' --page-size) to be set")
 
 
 DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((0, 65_536), (65_536, 262_144), (262_144, 1_048_576))
@@ -163,12 +186,26 @@ class WorkerSpec:
     role: "llm" for prefill/decode servers, "encoder" for multimodal encoder servers.
     bucket: index into BucketConfig.ranges, or None to serve every prompt length.
     max_inflight: requests this router fleet sends it at once before queueing.
+    speed: prefill throughput relative to the reference worker of the cost model; a worker
+        with speed 2 is charged half the time for the same work (the load is per capacity).
+    models: the model names it serves (the request's "model" field picks a group); empty =
+        any model.
+    id: what clients and metrics see instead of the URL; empty = derived (``worker_id``).
+    kv_events: the worker's KV event publisher (SGLang ``--kv-events-config`` endpoint, e.g.
+        ``tcp://10.0.0.5:5557``); empty = the worker publishes nothing, the approximate index
+        stands in. kv_replay: its replay endpoint, if any. kv_topic: its topic.
     """
 
     url: str
     bucket: int | None = None
     role: str = "llm"
-    max_inflight: int = 64
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    speed: float = 1.0
+    models: tuple[str, ...] = ()
+    id: str = ""
+    kv_events: str = ""
+    kv_replay: str = ""
+    kv_topic: str = ""
 
     def __post_init__(self) -> None:
         _check(
@@ -178,29 +215,70 @@ class WorkerSpec:
         _check(self.role in ("llm", "encoder"), f"worker role must be 'llm' or 'encoder', got {self.role!r}")
         _check(self.bucket is None or self.bucket >= 0, f"worker bucket must be >= 0, got {self.bucket}")
         _check(self.max_inflight > 0, f"max_inflight must be > 0, got {self.max_inflight}")
+        _check(self.speed > 0, f"worker speed must be > 0, got {self.speed}")
+        _check(isinstance(self.models, tuple) and all(isinstance(m, str) and m for m in self.models),
+               "worker models must be a tuple of non-empty strings")
+        _check(isinstance(self.id, str) and len(self.id) <= 64 and "/" not in self.id and ":" not in self.id,
+               f"worker id must be a string of at most 64 characters without '/' or ':', got {self.id!r}")
 
+        for name in ("kv_events", "kv_replay"):
+            v = getattr(self, name)
+            _check(v == "" or v.startswith(("tcp://", "ipc://")), f"worker {name} must be a tcp:// or ipc:// "
+                   f"ZMQ endpoint, got {v!r}")
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
     @property
     def name(self) -> str:
         return self.url.rstrip("/")
 
     def to_dict(self) -> dict:
-        return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight}
+        return {"url": self.name, "bucket": self.bucket, "role": self.role, "max_inflight": self.max_inflight,
+                "speed": self.speed, "models": list(self.models), "id": self.id, "kv_events": self.kv_events,
+                "kv_replay": self.kv_replay, "kv_topic": self.kv_topic}
 
     @staticmethod
     def from_dict(d: dict) -> WorkerSpec:
         _check(isinstance(d, dict) and isinstance(d.get("url"), str), "worker must be an object with a string 'url'")
         bucket = d.get("bucket")
         _check(bucket is None or isinstance(bucket, int), "worker 'bucket' must be an integer or null")
-        mi = d.get("max_inflight", 64)
-        _check(isinstance(mi, int), "worker 'max_inflight' must be an integer")
-        return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi)
+        mi = d.get("max_inflight", DEFAULT_MAX_INFLIGHT)
+        _check(isinstance(mi, int) and not isinstance(mi, bool), "worker 'max_inflight' must be an integer")
+        speed = d.get("speed", 1.0)
+        _check(isinstance(speed, (int, float)) and not isinstance(speed, bool), "worker 'speed' must be a number")
+        models = d.get("models", [])
+        if isinstance(models, str):
+            models = [models]
+        _check(isinstance(models, list) and all(isinstance(m, str) for m in models),
+               "worker 'models' must be a list of model names")
+        wid = d.get("id") or ""
+        _check(isinstance(wid, str), "worker 'id' must be a string")
+        kv = {k: d.get(k) or "" for k in ("kv_events", "kv_replay", "kv_topic")}
+        _check(all(isinstance(v, str) for v in kv.values()), "worker kv_events/kv_replay/kv_topic must be strings")
+        return WorkerSpec(url=d["url"].rstrip("/"), bucket=bucket, role=str(d.get("role", "llm")), max_inflight=mi,
+                          speed=float(speed), models=tuple(models), id=wid, **kv)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything one router replica needs. See ``gcache-router serve --help``."""
+    """Everything one router replica needs. See ``gcache-router serve --help``.
 
-    policy: str = "gcache"
+    client_body_timeout_s: a client must deliver its whole request body within this (408).
+    upstream_connect_timeout_s: connecting to a worker; a refused, reset or timed-out connect
+        never reached the worker and is retried on the next-best one (up to ``retries`` more).
+    upstream_first_byte_timeout_s: from sending the request to the worker's response headers
+        (a non-streaming answer arrives whole, so this bounds the whole generation) (504).
+    upstream_idle_timeout_s: longest silence between two chunks of a response body.
+    breaker: per-worker circuit breaker on 5xx answers and timeouts, shared by replicas.
+    admin_token: the bearer token of the /admin API; None = the admin API is off (403).
+    worker_header: answer with ``X-Gcache-Worker: <worker id>`` (never the URL); off by default.
+    worker_id_salt: key of the derived worker ids (empty = the namespace); set a secret one if
+        clients must not be able to guess worker addresses from ids.
+    l3: the gcache cluster the engines' HiCache writes to (router/l3.py): one batched exists per
+        request says how much of its prefix every worker can load instead of recompute.
+    """
+
+    policy: str = "min_ttft"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
@@ -209,7 +287,16 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "gcache-router"
     max_body_bytes: int = 32 * 1024 * 1024
-    upstream_timeout_s: float = 600.0
+    client_body_timeout_s: float = 30.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_first_byte_timeout_s: float = 600.0
+    upstream_idle_timeout_s: float = 120.0
+    retries: int = 2
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    admin_token: str | None = None
+    worker_header: bool = False
+    worker_id_salt: str = ""
+    l3: L3Config | None = None
     health_interval_s: float = 2.0
     health_failures: int = 2
     redis_timeout_s: float = 0.5
@@ -217,8 +304,22 @@ class RouterConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.state, StateMode), f"state must be a StateMode, got {self.state!r}")
         _check(self.max_body_bytes > 0, "max_body_bytes must be > 0")
-        _check(self.upstream_timeout_s > 0, "upstream_timeout_s must be > 0")
+        for name in ("client_body_timeout_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
+                     "upstream_idle_timeout_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        _check(self.l3 is None or self.prefix.page_tokens > 0,
+               "L3 awareness needs the engines' page size (page_tokens, --page-size)")
+        _check(self.admin_token is None or len(self.admin_token) >= 16,
+               "admin_token must be at least 16 characters (or None to turn the admin API off)")
         _check(self.health_interval_s > 0, "health_interval_s must be > 0")
         _check(self.health_failures >= 1, "health_failures must be >= 1")
         _check(self.redis_timeout_s > 0, "redis_timeout_s must be > 0")
         _check(bool(self.namespace) and ":" not in self.namespace, "namespace must be non-empty, without ':'")
+
+
+def worker_id(spec: WorkerSpec, salt: str) -> str:
+    """The id clients and metrics see: the spec's own, else a keyed hash of its URL."""
+    if spec.id:
+        return spec.id
+    return "w-" + hashlib.blake2b(spec.name.encode(), key=salt.encode()[:64], digest_size=6).hexdigest()

@@ -8,7 +8,7 @@ the lease, forward the request, or queue it).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.buckets import BucketMap
@@ -20,6 +20,7 @@ class Outcome(enum.Enum):
     ROUTED = "routed"
     FULL = "full"  # eligible workers exist but all are at max_inflight: wait in the queue
     NO_WORKER = "no_worker"  # no healthy worker can serve this length: fail now
+    NO_MODEL = "no_model"  # no worker at all serves the requested model
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,7 @@ class Plan:
     bucket: int
     decision: Decision | None = None
     uncached_tokens: int = 0  # on the chosen worker (ROUTED) or the best eligible one (FULL)
-
-
-def uncached(n_tokens: int, matched_blocks: int, block_tokens: int) -> int:
-    return max(0, n_tokens - matched_blocks * block_tokens)
+    work_ms: int = 0  # estimated prefill work the chosen worker is charged (ROUTED)
 
 
 def plan(
@@ -43,17 +41,42 @@ def plan(
     block_tokens: int,
     ticket: int = 0,
     key: int = 0,
+    l3_tokens: int = 0,
+    exclude: frozenset[str] = frozenset(),
+    model: str | None = None,
+    exact: Mapping[str, int] | None = None,
 ) -> Plan:
-    llm = [s for s in states if s.spec.role == "llm" and s.healthy]
+    """``l3_tokens``: leading prompt tokens any worker can load from the shared L3 tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
+    workers serving it (WorkerSpec.serves); ``exact``: prompt tokens a worker holds according
+    to its own KV events, which replace the approximate index's guess for that worker."""
+    group_all = [s for s in states if s.spec.role == "llm" and s.spec.serves(model)]
+    if model is not None and not group_all:
+        return Plan(Outcome.NO_MODEL, 0)
+    llm = [s for s in group_all if s.routable and s.name not in exclude]
     bucket, names = buckets.group(n_tokens, llm)
     if not names:
         return Plan(Outcome.NO_WORKER, bucket)
     allowed = set(names)
     group = [s for s in llm if s.name in allowed]
-    best_match = max(s.matched_blocks for s in group)
+    exact = exact or {}
+
+    def held(s: WorkerState) -> int:  # prompt tokens the worker holds
+        t = exact.get(s.name)
+        return min(n_tokens, s.matched_blocks * block_tokens if t is None else t)
+
+    l3_tokens = min(n_tokens, l3_tokens)
+    best = max(max(held(s) for s in group), l3_tokens)
     free = [s for s in group if s.inflight_requests < s.spec.max_inflight]
     if not free:
-        return Plan(Outcome.FULL, bucket, None, uncached(n_tokens, best_match, block_tokens))
-    cands = [Candidate(s.name, s.matched_blocks, s.inflight_requests, s.pending_tokens) for s in free]
+        return Plan(Outcome.FULL, bucket, None, n_tokens - best)
+    cands = []
+    for s in free:
+        h = held(s)
+        unc = n_tokens - h
+        l3 = max(0, l3_tokens - h)
+        cands.append(Candidate(s.name, h // block_tokens, s.inflight_requests, s.pending_ms, unc, l3, s.spec.speed,
+                               s.match_age_s * 1000.0))
     d = policy.choose(RouteInput(n_blocks, n_tokens, ticket, key), cands)
-    return Plan(Outcome.ROUTED, bucket, d, uncached(n_tokens, d.matched_blocks, block_tokens))
+    c = next(c for c in cands if c.name == d.worker)
+    work = policy.cfg.cost.work(c.uncached_tokens - c.l3_tokens, c.l3_tokens)
+    return Plan(Outcome.ROUTED, bucket, d, c.uncached_tokens - c.l3_tokens, work)

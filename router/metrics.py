@@ -3,6 +3,8 @@ replicas can live in one process, as they do in the tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.state_base import WorkerState
@@ -17,6 +19,8 @@ class RouterMetrics:
                                  ["policy", "reason"], registry=r)
         self.rejected = Counter("gcache_router_rejected", "Requests refused by the router, by reason",
                                 ["reason"], registry=r)
+        self.retries = Counter("gcache_router_retries", "Requests sent to another worker because the "
+                               "chosen one was never reached (refused, reset, connect timeout)", registry=r)
         self.queue_depth = Gauge("gcache_router_queue_depth", "Requests waiting for a worker slot",
                                  registry=r)
         self.queue_wait = Histogram("gcache_router_queue_wait_seconds", "Time requests waited in the queue",
@@ -29,8 +33,8 @@ class RouterMetrics:
                               "estimated_cached_tokens / prompt_tokens since start", registry=r)
         self.worker_inflight = Gauge("gcache_router_worker_inflight_requests",
                                      "In-flight requests per worker (all replicas)", ["worker"], registry=r)
-        self.worker_pending = Gauge("gcache_router_worker_pending_prefill_tokens",
-                                    "Uncached prompt tokens sent and not yet answered", ["worker"], registry=r)
+        self.worker_pending = Gauge("gcache_router_worker_pending_prefill_ms",
+                                    "Estimated prefill work sent and not yet answered (ms)", ["worker"], registry=r)
         self.worker_healthy = Gauge("gcache_router_worker_healthy", "1 if the worker passes health checks",
                                     ["worker"], registry=r)
         self.redis_up = Gauge("gcache_router_redis_up",
@@ -40,9 +44,20 @@ class RouterMetrics:
                                   registry=r)
         self._prompt = 0
         self._cached = 0
+        self._children: dict[tuple, object] = {}  # labels() costs tens of microseconds: look each up once
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def count_request(self, route: str, status: int) -> None:
+        self.child(self.requests, route, str(status)).inc()
 
     def routed(self, policy: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
-        self.decisions.labels(policy, reason).inc()
+        self.child(self.decisions, policy, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self._prompt += prompt_tokens
@@ -50,13 +65,15 @@ class RouterMetrics:
         if self._prompt:
             self.hit_rate.set(self._cached / self._prompt)
 
-    def set_workers(self, states: list[WorkerState]) -> None:
+    def set_workers(self, states: list[WorkerState], worker_id: Callable[[str], str]) -> None:
+        """Per-worker gauges, labelled with the worker id (GET /admin/workers maps ids to URLs)."""
         for g in (self.worker_inflight, self.worker_pending, self.worker_healthy):
             g.clear()
         for s in states:
-            self.worker_inflight.labels(s.name).set(s.inflight_requests)
-            self.worker_pending.labels(s.name).set(s.pending_tokens)
-            self.worker_healthy.labels(s.name).set(1 if s.healthy else 0)
+            wid = worker_id(s.name)
+            self.worker_inflight.labels(wid).set(s.inflight_requests)
+            self.worker_pending.labels(wid).set(s.pending_ms)
+            self.worker_healthy.labels(wid).set(1 if s.healthy else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

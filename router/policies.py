@@ -5,20 +5,25 @@ no I/O, ties broken by a hash of (request, worker name). Two router replicas tha
 state therefore make the same choice. The round-robin position comes from a
 shared ticket (a Redis counter, or a local one in memory mode).
 
-Load. A worker's load is measured in tokens of outstanding work::
+Load. A worker's load is kept as *pending prefill work*: the estimated prefill time
+(``router.cost.PrefillCost``, milliseconds on the reference worker) of every request
+sent to it that has not produced its first response byte yet.
 
-    load(w) = pending_prefill_tokens(w) + decode_tokens_per_request * inflight_requests(w)
+min_ttft estimates each worker's time to first token, plus what a spill costs the fleet::
 
-pending_prefill_tokens are the uncached tokens of requests sent to w whose first
-response byte has not come back yet (they are still prefilling); every in-flight
-request also costs some decode work. The gcache score normalises it by the most
-loaded candidate, with a floor so near-idle fleets are not called imbalanced::
+    own(w)   = prefill_ms(uncached_tokens(w))            # tokens w does not hold
+    ttft(w)  = (pending_ms(w) + own(w)) / speed(w) + inflight_penalty_ms * inflight(w)
+    score(w) = ttft(w) + k * (own(w) - min_v own(v))     # lowest score wins
+    k        = affinity_weight + mean pending_ms of the other workers / busy_scale_ms
 
-    normalized_load(w) = load(w) / max(max_v load(v), load_floor_tokens)      in [0, 1]
-    score(w) = match_weight * match_fraction(w) - normalized_load(w)
-
-match_fraction(w) = matched_blocks(w) / request_blocks, counted as 0 when
-matched_blocks(w) < min_match_blocks (a shared system prompt is not affinity).
+The second term charges the redundant prefill a spill adds (recomputing a prefix another
+worker holds): it pollutes caches and delays whoever queues behind it, more so the busier
+the fleet. Affinity is therefore worth at most k times the prefill it saves, while the
+queue term grows without bound: a prefix stays on its owner only until the owner's queue
+costs more than that. A *hot* prefix, one requested so often that it alone keeps its
+owner busy (``own(owner) >= hot_load * time since its last matched block was last
+requested``), gets k = 0: it spills as soon as its owner's queue exceeds what a cold
+prefill elsewhere costs, and the worker it spills to holds a second copy from then on.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ class Reason(enum.Enum):
     IMBALANCE = "imbalance"  # gated policy: load spread too wide, cache ignored
     CACHE_MATCH = "cache_match"  # gated policy: best match above cache_threshold
     NO_MATCH = "no_match"  # gated policy: best match below threshold -> least load
-    SCORE_AFFINITY = "score_affinity"  # gcache score picked a worker with a usable match
-    SCORE_LOAD = "score_load"  # gcache score picked on load alone (no usable match anywhere)
+    WARM = "warm"  # min_ttft: the chosen worker holds the longest match there is
+    SPILL = "spill"  # min_ttft: a worker with a longer match was too busy; the prefix is replicated
+    COLD = "cold"  # min_ttft: no worker holds any of the prompt
     ENCODER_AFFINITY = "encoder_affinity"
 
 
@@ -52,7 +58,11 @@ class Candidate:
     name: str
     matched_blocks: int
     inflight_requests: int
-    pending_tokens: int
+    pending_ms: int
+    uncached_tokens: int = 0
+    l3_tokens: int = 0  # of the uncached tokens, how many it could load from the shared L3 tier
+    speed: float = 1.0
+    match_age_ms: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -83,12 +93,6 @@ class Policy:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.cfg})"
 
-    def load(self, c: Candidate) -> int:
-        return c.pending_tokens + self.cfg.decode_tokens_per_request * c.inflight_requests
-
-    def least_loaded(self, cands: Sequence[Candidate], key: int = 0) -> Candidate:
-        return min(cands, key=lambda c: (self.load(c), c.inflight_requests, -c.matched_blocks, tiebreak(c.name, key)))
-
     def choose(self, req: RouteInput, cands: Sequence[Candidate]) -> Decision:
         raise NotImplementedError
 
@@ -102,16 +106,19 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
+    """Least pending work per unit of speed, then fewest requests; cache ignored."""
+
     name = "least_load"
 
     def choose(self, req: RouteInput, cands: Sequence[Candidate]) -> Decision:
-        c = self.least_loaded(cands, req.key)
+        c = min(cands, key=lambda c: (c.pending_ms / c.speed, c.inflight_requests, tiebreak(c.name, req.key)))
         return Decision(c.name, Reason.LEAST_LOAD, c.matched_blocks)
 
 
 class GatedCacheAware(Policy):
-    """SGLang's cache-aware router: imbalance -> least load; else best match above a
-    threshold; else least load. Load here is in-flight requests, as in SGLang."""
+    """SGLang's cache-aware router: imbalance -> least load; else the best match if its match
+    rate (held prompt tokens / prompt tokens) reaches a threshold; else least load. Load here
+    is in-flight requests, as in SGLang."""
 
     name = "sglang"
 
@@ -121,33 +128,42 @@ class GatedCacheAware(Policy):
         by_req = min(cands, key=lambda c: (c.inflight_requests, tiebreak(c.name, req.key)))
         if hi - lo > self.cfg.balance_abs_threshold and hi > lo * self.cfg.balance_rel_threshold:
             return Decision(by_req.name, Reason.IMBALANCE, by_req.matched_blocks)
-        best = min(cands, key=lambda c: (-c.matched_blocks, c.inflight_requests, tiebreak(c.name, req.key)))
-        frac = best.matched_blocks / req.n_blocks if req.n_blocks else 0.0
-        if best.matched_blocks > 0 and frac >= self.cfg.cache_threshold:
+        best = min(cands, key=lambda c: (c.uncached_tokens, c.inflight_requests, tiebreak(c.name, req.key)))
+        held = req.n_tokens - best.uncached_tokens
+        if held > 0 and held >= self.cfg.cache_threshold * req.n_tokens:
             return Decision(best.name, Reason.CACHE_MATCH, best.matched_blocks)
         return Decision(by_req.name, Reason.NO_MATCH, by_req.matched_blocks)
 
 
-class GcacheScore(Policy):
-    """``score = match_weight * match_fraction - normalized_load``; highest score wins."""
+class MinTTFT(Policy):
+    """Lowest estimated time to first token plus the fleet's cost of a spill (module docstring)."""
 
-    name = "gcache"
+    name = "min_ttft"
 
-    def match_fraction(self, req: RouteInput, c: Candidate) -> float:
-        if req.n_blocks == 0 or c.matched_blocks < max(1, self.cfg.min_match_blocks):
-            return 0.0
-        return c.matched_blocks / req.n_blocks
+    def own_ms(self, c: Candidate) -> float:
+        return self.cfg.cost.ms(c.uncached_tokens - c.l3_tokens, c.l3_tokens)
 
-    def scores(self, req: RouteInput, cands: Sequence[Candidate]) -> dict[str, float]:
-        norm = max(max(self.load(c) for c in cands), self.cfg.load_floor_tokens)
-        return {
-            c.name: self.cfg.match_weight * self.match_fraction(req, c) - self.load(c) / norm for c in cands
-        }
+    def scores(self, cands: Sequence[Candidate]) -> dict[str, float]:
+        own = {c.name: self.own_ms(c) for c in cands}
+        least = min(own.values())
+        warm = min(cands, key=lambda c: (own[c.name], c.match_age_ms))
+        hot = own[warm.name] >= self.cfg.hot_load * warm.match_age_ms
+        others = [c.pending_ms / c.speed for c in cands if c.name != warm.name]
+        busy = sum(others) / len(others) if others else 0.0
+        k = 0.0 if hot else self.cfg.affinity_weight + busy / self.cfg.busy_scale_ms
+        return {c.name: (c.pending_ms + own[c.name]) / c.speed + self.cfg.inflight_penalty_ms * c.inflight_requests
+                + k * (own[c.name] - least) for c in cands}
 
     def choose(self, req: RouteInput, cands: Sequence[Candidate]) -> Decision:
-        s = self.scores(req, cands)
-        best = min(cands, key=lambda c: (-s[c.name], c.inflight_requests, tiebreak(c.name, req.key)))
-        reason = Reason.SCORE_AFFINITY if self.match_fraction(req, best) > 0 else Reason.SCORE_LOAD
+        s = self.scores(cands)
+        best = min(cands, key=lambda c: (s[c.name], c.inflight_requests, tiebreak(c.name, req.key)))
+        longest = max(c.matched_blocks for c in cands)
+        if longest == 0:
+            reason = Reason.COLD
+        elif best.matched_blocks == longest:
+            reason = Reason.WARM
+        else:
+            reason = Reason.SPILL
         return Decision(best.name, reason, best.matched_blocks)
 
 
@@ -161,7 +177,7 @@ POLICIES: dict[str, type[Policy]] = {
     RoundRobin.name: RoundRobin,
     LeastLoad.name: LeastLoad,
     GatedCacheAware.name: GatedCacheAware,
-    GcacheScore.name: GcacheScore,
+    MinTTFT.name: MinTTFT,
 }
 
 

@@ -29,6 +29,14 @@ def chain_token_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]
     return _chain(memoryview(buf)[i * step : (i + 1) * step] for i in range(n_full))
 
 
+def next_token_hash(prev: int, token_ids: Sequence[int]) -> int:
+    """The chained hash of one block after a block whose hash is ``prev`` (0 before the first):
+    ``chain_token_hashes(ids, b)[i] == next_token_hash(chain[i - 1], ids[i*b:(i+1)*b])``."""
+    blk = np.asarray(token_ids, dtype=np.int64).tobytes()
+    h = xxhash.xxh3_64_intdigest(blk, seed=0) ^ xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little"), seed=1)
+    return h & _MASK63
+
+
 def chain_text_hashes(text: str, block_chars: int) -> list[int]:
     """Hash every full chunk of ``block_chars`` characters, each chained to the previous."""
     n_full = len(text) // block_chars
@@ -91,6 +99,21 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def match_age(self, worker: str, hashes: Sequence[int], now: float) -> tuple[int, float]:
+        """(leading blocks held, seconds since the last of them was last requested; inf if none)."""
+        lru = self._lru.get(worker)
+        if not lru:
+            return 0, float("inf")
+        cutoff = now - self.ttl_s
+        n, last = 0, None
+        for h in hashes:
+            t = lru.get(h)
+            if t is None or t < cutoff:
+                break
+            n += 1
+            last = t
+        return n, (now - last) if last is not None else float("inf")
 
     def match_all(self, workers: Iterable[str], hashes: Sequence[int], now: float) -> dict[str, int]:
         return {w: self.match(w, hashes, now) for w in workers}

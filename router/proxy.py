@@ -10,6 +10,7 @@ is passed back with the upstream's status and body.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -17,28 +18,30 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from router.admin import Admin
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, StateMode, WorkerSpec
+from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
+from router.forward import NeverReached, Timeouts, forward, json_error
 from router.health import HealthChecker
+from router.kv_fleet import KvFleet
+from router.l3 import L3Probe
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.request import BadRequest, parse_request
 from router.state_base import RouterState
 from router.state_memory import MemoryState
 from router.state_redis import RedisState, heartbeat_loop
+from router.tokenize import Tokenization
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("gcache.router.proxy")
 
 LLM_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-        "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
-_RESP_DROP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date",
-              "server"}
+
 
 def error(status: int, message: str, kind: str = "invalid_request_error",
           headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status, headers=headers)
+    return json_error(status, message, kind, headers)
 
 
 class Router:
@@ -48,107 +51,132 @@ class Router:
         self.cfg = cfg
         self.initial_workers = workers
         if state is None:
-            state = (RedisState(cfg.redis_url, cfg.prefix, cfg.namespace, cfg.redis_timeout_s)
-                     if cfg.state is StateMode.REDIS else MemoryState(cfg.prefix))
+            state = (RedisState(cfg.redis_url, cfg.prefix, cfg.namespace, breaker=cfg.breaker,
+                                timeout_s=cfg.redis_timeout_s)
+                     if cfg.state is StateMode.REDIS else MemoryState(cfg.prefix, breaker=cfg.breaker))
         self.state = state
         self.metrics = RouterMetrics()
         self.policy = make_policy(cfg.policy, cfg.policy_cfg)
-        self.admission = Admission(cfg, state, self.policy, self.metrics)
+        pc = cfg.prefix
+        self.tok = Tokenization.load(pc.tokenizer_path, pc.chat_template_path) if pc.tokenizer_path else None
+        self.kv = KvFleet(pc.page_tokens, self.state.forget_prefixes) if pc.page_tokens else None
+        self.l3 = L3Probe(cfg.l3, pc.page_tokens) if cfg.l3 is not None else None
+        self.admission = Admission(cfg, state, self.policy, self.metrics,
+                                   exact=self.kv.match if self.kv is not None else None)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.health: HealthChecker | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
+        self.timeouts = Timeouts(cfg.upstream_first_byte_timeout_s, cfg.upstream_idle_timeout_s)
+        self.id_salt = cfg.worker_id_salt or cfg.namespace
+        self._ids: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Router(policy={self.policy.name}, state={self.state!r})"
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=5),
-            auto_decompress=False,
-        )
+        self.session = aiohttp.ClientSession(auto_decompress=False)  # health checks
+        self.upstream = UpstreamPool(self.cfg.upstream_connect_timeout_s)
         await self.state.start()
         for w in self.initial_workers:
             await self.state.add_worker(w)
         self.health = HealthChecker(self.state, self.session, self.cfg.health_interval_s, self.cfg.health_failures)
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self.health.run()))
+        self._tasks.append(loop.create_task(self.health.run(self._stopping)))
+        if self.kv is not None:
+            self._tasks.append(loop.create_task(self._kv_loop()))
         if isinstance(self.state, RedisState):
-            self._tasks.append(loop.create_task(heartbeat_loop(self.state, min(1.0, self.cfg.health_interval_s))))
+            self._tasks.append(loop.create_task(heartbeat_loop(self.state, min(1.0, self.cfg.health_interval_s),
+                                                               self._stopping)))
+
+    async def _kv_loop(self) -> None:
+        """Keep one KV event subscriber per publishing worker, as workers come and go."""
+        while not self._stopping.is_set():
+            self.kv.reconcile(self.state.known_specs())
+            await asyncio.sleep(self.cfg.health_interval_s)
 
     async def stop(self, app: web.Application) -> None:
+        self._stopping.set()
+        if self.kv is not None:
+            await self.kv.close()
+        if self.l3 is not None:
+            self.l3.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.admission.close()
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.state.close()
 
     # -- inference routes -----------------------------------------------------------------
     async def handle_llm(self, request: web.Request) -> web.StreamResponse:
-        route = request.path
-        resp = await self._handle_llm(request)
-        self.metrics.requests.labels(route, str(resp.status)).inc()
+        try:
+            resp = await self._handle_llm(request)
+        except Exception:  # a bug: still a JSON answer, still counted
+            log.exception("unexpected error handling %s", request.path)
+            resp = error(500, "internal router error; see the router's log", "internal_error")
+        self.metrics.count_request(request.path, resp.status)
         return resp
 
     async def _handle_llm(self, request: web.Request) -> web.StreamResponse:
-        if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
+        cfg = self.cfg
+        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
             return error(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                              f"{self.cfg.max_body_bytes} bytes")
+                              f"{cfg.max_body_bytes} bytes")
         try:
-            body = await request.read()
+            async with asyncio.timeout(cfg.client_body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            return error(408, f"the request body did not arrive within {cfg.client_body_timeout_s:g}s "
+                              f"(Content-Length {request.content_length})")
         except web.HTTPRequestEntityTooLarge:
-            return error(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes")
+            return error(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
         try:
             obj = json.loads(body)
+        except RecursionError:
+            return error(400, "request body is nested too deeply to be parsed")
         except (ValueError, UnicodeDecodeError) as e:
             return error(400, f"request body is not valid JSON: {e}")
         try:
-            parsed = parse_request(request.path, obj, self.cfg.prefix)
+            parsed = parse_request(request.path, obj, cfg.prefix, self.tok)
         except BadRequest as e:
             return error(400, str(e))
-        try:
-            lease, decision = await self.admission.admit(parsed)
-        except Rejected as e:
-            headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
-            return error(e.status, str(e), "service_unavailable", headers)
-        try:
-            return await self._forward(request, body, decision.worker, lease)
-        finally:
-            await self.admission.release(lease)
-
-    async def _forward(self, request: web.Request, body: bytes, worker: str, lease) -> web.StreamResponse:
-        assert self.session is not None, "Router.start() was not called"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        url = worker + request.path_qs
-        out: web.StreamResponse | None = None
-        try:
-            async with self.session.post(url, data=body, headers=headers) as up:
-                out = web.StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers.items():
-                    if k.lower() not in _RESP_DROP:
-                        out.headers.add(k, v)
-                out.headers["X-Gcache-Worker"] = worker
-                await out.prepare(request)
-                first = True
-                async for chunk in up.content.iter_any():
-                    if first:
-                        await self.state.prefill_done(lease)
-                        first = False
-                    try:
-                        await out.write(chunk)
-                    except ConnectionResetError:
-                        log.debug("client went away while streaming from %s", worker)
-                        return out  # leaving the block closes the upstream request too
-                await out.write_eof()
-                return out
-        except (aiohttp.ClientConnectionError, TimeoutError, aiohttp.ClientPayloadError) as e:
-            if self.health is not None:
-                await self.health.report(worker, False)
-            if out is not None and out.prepared:
-                log.warning("upstream %s failed mid-response: %s", worker, e)
-                return out  # headers already sent; the client sees a truncated stream
-            return error(502, f"upstream worker {worker} failed: {type(e).__name__}: {e}", "upstream_error")
+        except RecursionError:
+            return error(400, "request body is nested too deeply to be routed")
+        l3_tokens = await self.l3.loadable_tokens(parsed.token_ids) if self.l3 is not None else 0
+        tried: set[str] = set()
+        failure = ""
+        for _ in range(cfg.retries + 1):
+            try:
+                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens)
+            except Rejected as e:
+                if tried:
+                    return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
+                                 "upstream_error")
+                headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
+                return error(e.status, str(e), e.reason if e.status == 404 else "service_unavailable", headers)
+            worker = decision.worker
+            try:
+                extra = {"X-Gcache-Worker": self.worker_id(worker)} if cfg.worker_header else {}
+                res = await forward(self.upstream, request, body, worker + request.path_qs, self.timeouts,
+                                    extra, functools.partial(self.state.prefill_done, lease))
+            except NeverReached as e:
+                failure = str(e)
+                tried.add(worker)
+                self.metrics.retries.inc()
+                await self.state.record_outcome(worker, False)
+                if self.health is not None:
+                    await self.health.report(worker, False)
+                continue
+            finally:
+                await self.admission.release(lease)
+            await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
+            return res.response
+        return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error")
 
     # -- admin, health, metrics -----------------------------------------------------------
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -156,33 +184,21 @@ class Router:
         return web.json_response({"status": "ok", "state": mode, "queue_depth": self.admission.depth()})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        self.metrics.set_workers(await self.state.snapshot(()))
+        self.metrics.set_workers(await self.state.snapshot(()), self.worker_id)
         self.metrics.redis_up.set(0 if self.state.degraded else 1)
         self.metrics.redis_errors.set(getattr(self.state, "errors", 0))
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def list_workers(self, request: web.Request) -> web.Response:
-        snap = await self.state.snapshot(())
-        return web.json_response({"workers": [
-            {**s.spec.to_dict(), "healthy": s.healthy, "inflight_requests": s.inflight_requests,
-             "pending_prefill_tokens": s.pending_tokens} for s in snap
-        ]})
+    def forget_ids(self) -> None:
+        self._ids.clear()
 
-    async def add_worker(self, request: web.Request) -> web.Response:
-        try:
-            spec = WorkerSpec.from_dict(await request.json())
-        except (ValueError, UnicodeDecodeError) as e:
-            return error(400, f"bad worker: {e}")
-        await self.state.add_worker(spec)
-        return web.json_response({"added": spec.to_dict()}, status=201)
-
-    async def remove_worker(self, request: web.Request) -> web.Response:
-        url = request.query.get("url", "").rstrip("/")
-        if not url:
-            return error(400, "give the worker to remove as ?url=http://host:port")
-        if not await self.state.remove_worker(url):
-            return error(404, f"no worker {url!r}", "not_found")
-        return web.json_response({"removed": url})
+    def worker_id(self, name: str) -> str:
+        wid = self._ids.get(name)
+        if wid is None:
+            spec = next((w for w in self.state.known_specs() if w.name == name), None)
+            wid = worker_id(spec or WorkerSpec(name), self.id_salt)
+            self._ids[name] = wid
+        return wid
 
 
 APP_KEY = web.AppKey("router", Router)
@@ -197,8 +213,8 @@ async def json_errors(request: web.Request,
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"unknown route {request.path}; routes: {', '.join(LLM_ROUTES)}, /health, /metrics, "
-                    "/admin/workers",
+        msg = {404: f"unknown route {request.path}; routes: {', '.join(LLM_ROUTES)}, /v1/models, /health, "
+                    "/metrics, /admin/workers",
                405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
         return error(e.status, msg, "not_found" if e.status == 404 else "invalid_request_error")
 
@@ -211,9 +227,11 @@ def build_app(cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState |
         app.router.add_post(path, router.handle_llm)
     app.router.add_get("/health", router.handle_health)
     app.router.add_get("/metrics", router.handle_metrics)
-    app.router.add_get("/admin/workers", router.list_workers)
-    app.router.add_post("/admin/workers", router.add_worker)
-    app.router.add_delete("/admin/workers", router.remove_worker)
+    admin = Admin(router)
+    app.router.add_get("/v1/models", admin.models)
+    app.router.add_get("/admin/workers", admin.list_workers)
+    app.router.add_post("/admin/workers", admin.add_worker)
+    app.router.add_delete("/admin/workers", admin.remove_worker)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     return app

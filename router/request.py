@@ -9,24 +9,41 @@ characters, with tokens estimated as ``len(text) / chars_per_token``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import xxhash
 
 from router.config import PrefixConfig
 from router.prefix import chain_text_hashes, chain_token_hashes
+from router.tokenize import TemplateError, Tokenization
 
 
 class BadRequest(ValueError):
     """The body cannot be routed; the message is sent back to the client with a 400."""
 
 
+MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; a lone UTF-16 surrogate (JSON ``"\\ud800"``) is a BadRequest."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{what} contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode; send well-formed text") from None
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
-    hashes: list[int]
+    hashes: list[int]  # blocks of the approximate index (block_tokens each)
     n_tokens: int
     media_keys: list[str] = field(default_factory=list)
     stream: bool = False
+    model: str | None = None
+    page_hashes: list[int] = field(default_factory=list)  # pages of the exact index (page_tokens each)
+    token_ids: list[int] | None = field(default=None, repr=False)  # when known (given, or tokenized)
 
     @property
     def n_blocks(self) -> int:
@@ -36,48 +53,86 @@ class ParsedRequest:
 _MEDIA_PARTS = {"image_url": "url", "video_url": "url", "audio_url": "url", "input_audio": "data"}
 
 
-def parse_request(path: str, body: object, cfg: PrefixConfig) -> ParsedRequest:
-    """Extract routing inputs from a decoded JSON body. Raises BadRequest with a clear message."""
+def parse_request(path: str, body: object, cfg: PrefixConfig, tok: Tokenization | None = None) -> ParsedRequest:
+    """Extract routing inputs from a decoded JSON body. Raises BadRequest with a clear message.
+
+    With page_tokens set, token ids (the request's own, or ``tok``'s) are hashed per page;
+    without, text is cut into chunks of block_tokens x chars_per_token characters."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    media: list[str] = []
-    stream = bool(body.get("stream", False))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    if model is not None:
+        utf8(model, "'model'")
+    r = _Req(cfg, tok, bool(body.get("stream", False)), model)
     if path.endswith("/chat/completions"):
-        text = _chat_text(body.get("messages"), media)
-        return _from_text(text, cfg, media, stream)
+        messages, tools = body.get("messages"), body.get("tools")
+        text = _chat_text(messages, tools, r.media)
+        if tok is not None:
+            try:
+                ids = tok.encode_chat(messages, tools)
+            except TemplateError as e:
+                raise BadRequest(str(e)) from None
+            if ids is not None:
+                return r.from_ids(ids)
+        return r.from_text(text)
     if path.endswith("/completions"):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # batch: route by the first prompt
-        return _from_prompt(prompt, cfg, media, stream, "prompt")
+        return r.from_prompt(prompt, "prompt")
     # SGLang /generate
     for k in ("image_data", "audio_data", "video_data"):
         v = body.get(k)
         for item in v if isinstance(v, list) else [v]:
             if isinstance(item, str) and item:
-                media.append(_media_key(item))
+                r.media.append(_media_key(item))
     if "input_ids" in body:
-        return _from_prompt(body["input_ids"], cfg, media, stream, "input_ids")
-    return _from_prompt(body.get("text"), cfg, media, stream, "text")
+        return r.from_prompt(body["input_ids"], "input_ids")
+    return r.from_prompt(body.get("text"), "text")
 
 
-def _from_prompt(prompt: object, cfg: PrefixConfig, media: list[str], stream: bool, name: str) -> ParsedRequest:
-    if isinstance(prompt, str):
-        return _from_text(prompt, cfg, media, stream)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return ParsedRequest(chain_token_hashes(prompt, cfg.block_tokens), len(prompt), media, stream)
-    raise BadRequest(f"'{name}' must be a string or a list of integer token ids")
+class _Req:
+    def __init__(self, cfg: PrefixConfig, tok: Tokenization | None, stream: bool, model: str | None) -> None:
+        self.cfg, self.tok, self.stream, self.model = cfg, tok, stream, model
+        self.media: list[str] = []
+
+    def from_prompt(self, prompt: object, name: str) -> ParsedRequest:
+        if isinstance(prompt, str):
+            if self.tok is not None:
+                utf8(prompt, "the prompt")
+                return self.from_ids(self.tok.encode_prompt(prompt))
+            return self.from_text(prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            if prompt and not 0 <= min(prompt) <= max(prompt) <= MAX_TOKEN_ID:
+                raise BadRequest(f"'{name}' token ids must be integers in [0, 2^63 - 1]")
+            return self.from_ids(prompt)
+        raise BadRequest(f"'{name}' must be a string or a list of integer token ids")
+
+    def from_ids(self, ids: list[int]) -> ParsedRequest:
+        page = self.cfg.page_tokens
+        if page:
+            pages = chain_token_hashes(ids, page)
+            k = self.cfg.block_tokens // page
+            return ParsedRequest(pages[k - 1 :: k], len(ids), self.media, self.stream, self.model, pages, ids)
+        return ParsedRequest(chain_token_hashes(ids, self.cfg.block_tokens), len(ids), self.media, self.stream,
+                             self.model)
+
+    def from_text(self, text: str) -> ParsedRequest:
+        utf8(text, "the prompt")
+        hashes = chain_text_hashes(text, self.cfg.block_tokens * self.cfg.chars_per_token)
+        return ParsedRequest(hashes, len(text) // self.cfg.chars_per_token, self.media, self.stream, self.model)
 
 
-def _from_text(text: str, cfg: PrefixConfig, media: list[str], stream: bool) -> ParsedRequest:
-    hashes = chain_text_hashes(text, cfg.block_tokens * cfg.chars_per_token)
-    return ParsedRequest(hashes, len(text) // cfg.chars_per_token, media, stream)
-
-
-def _chat_text(messages: object, media: list[str]) -> str:
+def _chat_text(messages: object, tools: object, media: list[str]) -> str:
+    """The text the approximate index hashes for a chat request (tools and tool calls included);
+    it also validates the messages and collects media keys."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
     parts: list[str] = []
+    if tools is not None:
+        parts.append(f"<|tools|>{json.dumps(tools, sort_keys=True)}")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise BadRequest("each message must be an object with 'role' and 'content'")
@@ -101,9 +156,11 @@ def _chat_text(messages: object, media: list[str]) -> str:
                         parts.append(f"<|media:{key}|>")
         elif content is not None:
             raise BadRequest("message 'content' must be a string or a list of parts")
+        if m.get("tool_calls") is not None:
+            parts.append(f"<|tool_calls|>{json.dumps(m['tool_calls'], sort_keys=True)}")
     return "\n".join(parts)
 
 
 def _media_key(data: str) -> str:
     """Content hash of an inline media payload, or of the URL for a reference."""
-    return xxhash.xxh3_128_hexdigest(data.encode())
+    return xxhash.xxh3_128_hexdigest(utf8(data, "a media item"))

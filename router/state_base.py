@@ -16,13 +16,20 @@ from router.config import WorkerSpec
 
 @dataclass(frozen=True)
 class WorkerState:
-    """A worker as seen at one instant: its spec, health, prefix match and load."""
+    """A worker as seen at one instant: its spec, health, prefix match and load
+    (in-flight requests, and pending prefill work in estimated milliseconds)."""
 
     spec: WorkerSpec
     healthy: bool
     matched_blocks: int
     inflight_requests: int
-    pending_tokens: int
+    pending_ms: int
+    match_age_s: float = float("inf")  # since the last matched block was last requested
+    circuit_open: bool = False  # the circuit breaker keeps requests away for now
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.circuit_open
 
     @property
     def name(self) -> str:
@@ -38,24 +45,28 @@ class Lease:
     """One admitted request's share of a worker's load; released exactly once."""
 
     worker: str
-    tokens: int
+    work_ms: int
     prefilled: bool = False
     released: bool = False
 
 
 @dataclass
 class LoadTable:
-    """Plain per-worker counters (requests, pending prefill tokens); never negative."""
+    """Plain per-worker counters (requests, pending prefill work in ms); never negative."""
 
     reqs: dict[str, int] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
+    work: dict[str, int] = field(default_factory=dict)
 
-    def add(self, worker: str, dreqs: int, dtokens: int) -> None:
+    def add(self, worker: str, dreqs: int, dwork: int) -> None:
         self.reqs[worker] = max(0, self.reqs.get(worker, 0) + dreqs)
-        self.tokens[worker] = max(0, self.tokens.get(worker, 0) + dtokens)
+        self.work[worker] = max(0, self.work.get(worker, 0) + dwork)
 
     def get(self, worker: str) -> tuple[int, int]:
-        return self.reqs.get(worker, 0), self.tokens.get(worker, 0)
+        return self.reqs.get(worker, 0), self.work.get(worker, 0)
+
+    def forget(self, worker: str) -> None:
+        self.reqs.pop(worker, None)
+        self.work.pop(worker, None)
 
     def total_requests(self) -> int:
         return sum(self.reqs.values())
@@ -86,6 +97,10 @@ class RouterState(abc.ABC):
     async def list_workers(self) -> list[WorkerSpec]: ...
 
     @abc.abstractmethod
+    def known_specs(self) -> list[WorkerSpec]:
+        """The workers this replica knows of right now, without I/O."""
+
+    @abc.abstractmethod
     async def set_health(self, name: str, healthy: bool) -> None: ...
 
     @abc.abstractmethod
@@ -95,14 +110,27 @@ class RouterState(abc.ABC):
     @abc.abstractmethod
     async def next_ticket(self) -> int: ...
 
+    async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
+        """``snapshot(hashes)`` and, if asked, the next round-robin ticket (else 0); backends
+        with a round trip per call do both in one."""
+        return await self.snapshot(hashes), (await self.next_ticket() if want_ticket else 0)
+
     @abc.abstractmethod
-    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
-        """Count one request of ``tokens`` uncached tokens on ``worker`` and record its
+    async def record_outcome(self, worker: str, ok: bool) -> None:
+        """Feed the worker's circuit breaker: a success, or a failure (5xx, timeout, broken connection)."""
+
+    @abc.abstractmethod
+    async def forget_prefixes(self, worker: str) -> None:
+        """The worker lost its cache (it restarted): drop everything the index credits it with."""
+
+    @abc.abstractmethod
+    async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
+        """Count one request of ``work_ms`` estimated prefill work on ``worker`` and record its
         prefix, unless the worker already has ``limit`` in flight (then None)."""
 
     @abc.abstractmethod
     async def prefill_done(self, lease: Lease) -> None:
-        """The worker started answering: its prefill tokens no longer count as pending."""
+        """The worker started answering: its prefill work no longer counts as pending."""
 
     @abc.abstractmethod
     async def release(self, lease: Lease) -> None:

@@ -1,26 +1,28 @@
 """Routing state in Redis, shared by stateless router replicas (``--state redis``).
 
-Keys (``ns`` = namespace)::
+One Redis command per request: a request's snapshot is one Lua call (``redis_scripts.SYNC``)
+that first applies this replica's buffered changes (requests admitted with their prefix
+blocks, first bytes, completions, breaker outcomes) and then reads every worker's match,
+the other replicas' load, health and circuit state. Admitting, first byte and release only
+change the local mirror and append to the buffer; the next request's call carries them, and
+a timer flushes them within ``flush_delay_s`` when no request comes (off the request path).
+Commands issued in the same event-loop turn go out as one pipeline, so under load many
+requests share a round trip.
 
-    ns:workers          HASH  worker name -> JSON WorkerSpec
-    ns:down             SET   workers failing health checks
-    ns:px:<worker>      ZSET  block hash -> last-seen time (bounded, TTL): the prefix index
-    ns:load:<replica>   HASH  r:<worker> in-flight requests, t:<worker> pending prefill tokens
-    ns:replicas         ZSET  replica id -> last heartbeat (Redis clock)
-    ns:rr               INT   round-robin ticket
-
-Every read-decide-write step that must be atomic is one Lua script, run on
-Redis's own clock. Each replica writes only its own ``load`` hash, so after an
-outage it resynchronises by overwriting that hash with its local truth, and a
-replica that dies stops counting once its heartbeat goes stale: counters never
-drift. If Redis is unreachable every call falls back to the local mirror
-(``MemoryState``), the log says so once, ``degraded`` turns true, and a
-background task reconnects and resynchronises.
+A replica's own load is always its exact local count; other replicas' load is as of their
+last call (at most ``flush_delay_s`` old). Far from a worker's ``max_inflight`` that is
+enough; within ``strict_margin`` of it admission takes a second round trip, an atomic check
+of every replica's count, so replicas never admit past the limit together. Each replica writes only its
+own ``load`` hash; after an outage it overwrites that hash with its local truth, and a
+replica that dies stops counting once its heartbeat is older than ``lease_s``. If Redis is
+unreachable every call falls back to the local mirror (``MemoryState``), the log says so
+once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchronises.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -30,119 +32,16 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
+from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
 from router.state_base import Lease, RouterState, WorkerState
 from router.state_memory import MemoryState
 
 log = logging.getLogger("gcache.router.state")
 
-_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
-
-_PRUNE = """
-local stale = redis.call('ZRANGEBYSCORE', ns .. ':replicas', '-inf', now - lease)
-for _, r in ipairs(stale) do
-  redis.call('DEL', ns .. ':load:' .. r)
-  redis.call('ZREM', ns .. ':replicas', r)
-end
-local reps = redis.call('ZRANGE', ns .. ':replicas', 0, -1)
-local function inflight(name)
-  local reqs, toks = 0, 0
-  for _, r in ipairs(reps) do
-    local v = redis.call('HMGET', ns .. ':load:' .. r, 'r:' .. name, 't:' .. name)
-    reqs = reqs + (tonumber(v[1]) or 0)
-    toks = toks + (tonumber(v[2]) or 0)
-  end
-  return reqs, toks
-end
-"""
-
-# ARGV: ns, ttl, lease, hash...
-SNAPSHOT = (
-    "local ns, ttl, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])\n"
-    + _NOW
-    + _PRUNE
-    + """
-local ws = redis.call('HGETALL', ns .. ':workers')
-local out = {}
-for i = 1, #ws, 2 do
-  local name = ws[i]
-  local reqs, toks = inflight(name)
-  local m, key = 0, ns .. ':px:' .. name
-  for j = 4, #ARGV do
-    local s = redis.call('ZSCORE', key, ARGV[j])
-    if (not s) or tonumber(s) < now - ttl then break end
-    m = m + 1
-  end
-  out[#out + 1] = {name, ws[i + 1], m, reqs, toks, redis.call('SISMEMBER', ns .. ':down', name)}
-end
-return out
-"""
-)
-
-# ARGV: ns, replica, worker, limit, tokens, lease, max_blocks, ttl, hash...
-ACQUIRE = (
-    "local ns, me, w = ARGV[1], ARGV[2], ARGV[3]\n"
-    "local limit, tokens, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])\n"
-    "local maxb, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])\n"
-    + _NOW
-    + "redis.call('ZADD', ns .. ':replicas', now, me)\n"
-    + _PRUNE
-    + """
-local reqs = inflight(w)
-if reqs >= limit then return 0 end
-redis.call('HINCRBY', ns .. ':load:' .. me, 'r:' .. w, 1)
-redis.call('HINCRBY', ns .. ':load:' .. me, 't:' .. w, tokens)
-"""
-    + "local first = 9\n"
-)
-
-_RECORD_BODY = """
-local key = ns .. ':px:' .. w
-for j = first, #ARGV do
-  -- earlier blocks get the later timestamp, so eviction drops chain tails first (no holes)
-  redis.call('ZADD', key, now - (j - first) * 1e-6, ARGV[j])
-end
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - ttl)
-local n = redis.call('ZCARD', key)
-if n > maxb then redis.call('ZREMRANGEBYRANK', key, 0, n - maxb - 1) end
-redis.call('EXPIRE', key, math.ceil(ttl))
-return 1
-"""
-ACQUIRE += _RECORD_BODY
-
-# ARGV: ns, worker, max_blocks, ttl, hash...  (prefix records made while Redis was away)
-RECORD = (
-    "local ns, w, maxb, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])\n"
-    + _NOW
-    + "local first = 5\n"
-    + _RECORD_BODY
-)
-
-# ARGV: ns, replica, worker, dreqs, dtokens  (counters floor at zero)
-ADJUST = """
-local k = ARGV[1] .. ':load:' .. ARGV[2]
-for i, f in ipairs({'r:', 't:'}) do
-  local v = redis.call('HINCRBY', k, f .. ARGV[3], ARGV[3 + i])
-  if v < 0 then redis.call('HSET', k, f .. ARGV[3], 0) end
-end
-return 1
-"""
-
-# ARGV: ns, replica, field, value, field, value, ...  (overwrite own load with local truth)
-RESYNC = (
-    "local ns, me = ARGV[1], ARGV[2]\n"
-    + _NOW
-    + """
-redis.call('DEL', ns .. ':load:' .. me)
-for i = 3, #ARGV, 2 do redis.call('HSET', ns .. ':load:' .. me, ARGV[i], ARGV[i + 1]) end
-redis.call('ZADD', ns .. ':replicas', now, me)
-return 1
-"""
-)
-
-HEARTBEAT = "local ns, me = ARGV[1], ARGV[2]\n" + _NOW + "redis.call('ZADD', ns .. ':replicas', now, me)\nreturn 1"
-
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+_FLUSH, _SNAPSHOT, _SNAPSHOT_TICKET, _STRICT_ACQUIRE = 0, 1, 2, 3
 
 
 class RedisState(RouterState):
@@ -151,33 +50,50 @@ class RedisState(RouterState):
         url: str,
         prefix: PrefixConfig,
         namespace: str = "gcache-router",
+        breaker: BreakerConfig | None = None,
         timeout_s: float = 0.5,
         lease_s: float = 10.0,
         replica_id: str | None = None,
+        flush_delay_s: float = 0.005,
+        max_connections: int = 64,
     ) -> None:
         self.url = url
         self.prefix = prefix
         self.ns = namespace
         self.lease_s = lease_s
+        self.flush_delay_s = flush_delay_s
         self.replica = replica_id or uuid.uuid4().hex[:12]
-        self.local = MemoryState(prefix)
-        self.r = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-            decode_responses=False,
-        )
-        self._scripts = {
-            n: self.r.register_script(s)
-            for n, s in (("snap", SNAPSHOT), ("acq", ACQUIRE), ("adj", ADJUST), ("resync", RESYNC),
-                         ("hb", HEARTBEAT), ("rec", RECORD))
-        }
+        self.local = MemoryState(prefix, breaker=breaker)
+        # A bounded pool that waits for a free connection (the default pool fails with "too many
+        # connections" under a burst, which would count as an outage); no CLIENT SETINFO per connection.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry_on_timeout=False, decode_responses=False, driver_info=None)
+        self.r = aioredis.Redis(connection_pool=pool)
+        self._sync = self.r.register_script(SYNC)
+        self._sync_sha = self._sync.sha
+        self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._resync = self.r.register_script(RESYNC)
+        self._heartbeat = self.r.register_script(HEARTBEAT)
         self._up = False
-        self._version = 0  # bumped on every local load change; guards resync races
+        self._version = 0  # bumped on every local load change while degraded; guards resync races
+        self._ops: list[object] = []  # changes not yet sent (SYNC op arguments)
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._missed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=10_000)
+        self._others: dict[str, int] = {}  # other replicas' in-flight requests per worker, last seen
+        self._fails: dict[str, int] = {}  # breaker failure counts, last seen
         self.errors = 0
         self.resyncs = 0
+        # Redis commands by purpose. A request makes one (its snapshot; a second, the strict
+        # acquire, only near a worker's limit); commands issued together share a pipeline.
+        self.request_commands = 0
+        self.flush_commands = 0  # timer flushes of buffered changes, off the request path
+        self.background_commands = 0  # heartbeats, resyncs, admin changes, health/metrics snapshots
+        self.pipelines = 0  # round trips the SYNC commands took
 
     def __repr__(self) -> str:
-        return f"RedisState(url={self.url!r}, replica={self.replica}, up={self._up})"
+        return f"RedisState(url={self.url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
 
     @property
     def degraded(self) -> bool:
@@ -189,129 +105,245 @@ class RedisState(RouterState):
         if self._up:
             log.warning("redis unreachable (%s: %s); serving from local state", type(e).__name__, e)
         self._up = False
+        self._ops.clear()  # the local truth is pushed on resync
 
     async def start(self) -> None:
         await self.try_resync()
 
     async def close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+        if self._ops and self._up:
+            await self._call(_FLUSH, ())
         await self.r.aclose()
 
     async def try_resync(self) -> bool:
         """Reconnect and push local truth to Redis; called by the heartbeat loop. True if up."""
+        self.background_commands += 1
         if self._up:
             try:
-                await self._scripts["hb"](args=[self.ns, self.replica])
+                await self._heartbeat(args=[self.ns, self.replica])
                 return True
             except _REDIS_ERRORS as e:
                 self._lost(e)
                 return False
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
+            await self.r.script_load(SYNC)
             while True:
                 v = self._version
                 fields: list[object] = []
                 for w in self.local.workers:
                     r, t = self.local.loads.get(w)
                     fields += [f"r:{w}", r, f"t:{w}", t]
-                await self._scripts["resync"](args=[self.ns, self.replica, *fields])
+                await self._resync(args=[self.ns, self.replica, *fields])
                 for spec in list(self.local.workers.values()):
                     await self.r.hsetnx(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
                 while self._missed:
                     w, hashes = self._missed[0]
-                    await self._record(w, hashes)
+                    await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
+                                           self.prefix.max_blocks_per_worker, _FLUSH, 1, 1,
+                                           3 + len(hashes), "R", w, len(hashes), *hashes])
                     self._missed.popleft()
                 if v == self._version:
                     break
         except _REDIS_ERRORS as e:
             self._lost(e)
             return False
+        self._ops.clear()  # everything buffered before now is in the local truth just pushed
         self._up = True
         self.resyncs += 1
         log.warning("redis reachable at %s; state resynchronised (replica %s)", self.url, self.replica)
         return True
 
-    async def _record(self, worker: str, hashes: Sequence[int]) -> None:
-        await self._scripts["rec"](
-            args=[self.ns, worker, self.prefix.max_blocks_per_worker, self.prefix.ttl_s, *hashes]
-        )
+    # -- the buffered changes -------------------------------------------------------------
+    def _buffer(self, *op: object) -> None:
+        if not self._up:
+            self._version += 1
+            return
+        self._ops.extend(op)
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_delay_s, self._flush_soon)
 
-    # -- workers ------------------------------------------------------------------------
-    async def add_worker(self, spec: WorkerSpec) -> None:
-        self.local.add_worker_sync(spec)
-        if self._up:
+    def _flush_soon(self) -> None:
+        self._flush_timer = None
+        if self._ops and self._up:
+            self.flush_commands += 1
+            asyncio.get_running_loop().create_task(self._call(_FLUSH, ()))
+
+    async def _call(self, mode: int, hashes: Sequence[object]) -> list | int | None:
+        """One SYNC command; None if Redis is unreachable. Commands issued in the same event-loop
+        turn share one pipeline (one round trip); the first carries every buffered change."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._batch.append((mode, hashes, fut))
+        if len(self._batch) == 1:
+            loop.call_soon(self._send_batch)
+        return await fut
+
+    def _send_batch(self) -> None:
+        batch, self._batch = self._batch, []
+        ops, self._ops = self._ops, []
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch, ops))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _run_batch(self, batch: list, ops: list) -> None:
+        b = self.local.breaker
+        fixed = [self.ns, self.replica, self.prefix.ttl_s, self.lease_s, self.prefix.max_blocks_per_worker]
+        for attempt in (0, 1):
             try:
-                await self.r.hset(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
+                pipe = self.r.pipeline(transaction=False)
+                for i, (mode, hashes, _) in enumerate(batch):
+                    o = ops if i == 0 else ()
+                    pipe.evalsha(self._sync_sha, 0, *fixed, mode, b.failures, b.open_s, len(o), *o, *hashes)
+                self.pipelines += 1
+                results = await pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+                if attempt:
+                    results = None
+                    break
+                with contextlib.suppress(*_REDIS_ERRORS):
+                    await self.r.script_load(SYNC)
             except _REDIS_ERRORS as e:
                 self._lost(e)
+                self._keep_records(ops)
+                results = None
+                break
+        for k, (_, _, fut) in enumerate(batch):
+            if not fut.done():
+                fut.set_result(None if results is None else results[k])
+
+    def _keep_records(self, ops: list) -> None:
+        i = 0
+        while i < len(ops):  # prefix records are replayed after the outage; loads resync
+            kind = ops[i]
+            if kind == "A":
+                n = ops[i + 3]
+                self._missed.append((ops[i + 1], tuple(ops[i + 4 : i + 4 + n])))
+                i += 4 + n
+            else:
+                i += {"D": 4, "C": 3}[kind]
+
+    # -- workers (admin changes: direct calls, not on the request path) ------------------
+    async def _admin(self, *calls) -> list | None:
+        if not self._up:
+            return None
+        if self._ops:  # changes made before this one go first (a removal must not be undone by them)
+            self.background_commands += 1
+            await self._call(_FLUSH, ())
+        self.background_commands += 1
+        try:
+            pipe = self.r.pipeline(transaction=True)
+            for name, *args in calls:
+                getattr(pipe, name)(*args)
+            return await pipe.execute()
+        except _REDIS_ERRORS as e:
+            self._lost(e)
+            return None
+
+    async def add_worker(self, spec: WorkerSpec) -> None:
+        self.local.add_worker_sync(spec)
+        await self._admin(("hset", f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict())))
 
     async def remove_worker(self, name: str) -> bool:
         found = self.local.remove_worker_sync(name)
-        if self._up:
-            try:
-                n = await self.r.hdel(f"{self.ns}:workers", name)
-                await self.r.delete(f"{self.ns}:px:{name}")
-                await self.r.srem(f"{self.ns}:down", name)
-                found = found or n > 0
-            except _REDIS_ERRORS as e:
-                self._lost(e)
-        return found
+        res = await self._admin(("hdel", f"{self.ns}:workers", name), ("delete", f"{self.ns}:px:{name}"),
+                                ("srem", f"{self.ns}:down", name), ("hdel", f"{self.ns}:cb", f"f:{name}", f"o:{name}"))
+        return found or bool(res and res[0])
+
+    def known_specs(self) -> list[WorkerSpec]:
+        return self.local.known_specs()
 
     async def list_workers(self) -> list[WorkerSpec]:
         return [s.spec for s in await self.snapshot(())]
 
     async def set_health(self, name: str, healthy: bool) -> None:
+        was = self.local.health.get(name)
         await self.local.set_health(name, healthy)
-        if self._up:
-            try:
-                key = f"{self.ns}:down"
-                await (self.r.srem(key, name) if healthy else self.r.sadd(key, name))
-            except _REDIS_ERRORS as e:
-                self._lost(e)
+        if was != healthy or not healthy:
+            key = f"{self.ns}:down"
+            await self._admin(("srem", key, name) if healthy else ("sadd", key, name))
+
+    async def forget_prefixes(self, worker: str) -> None:
+        self.local.index.remove_worker(worker)
+        await self._admin(("delete", f"{self.ns}:px:{worker}"))
+
+    async def record_outcome(self, worker: str, ok: bool) -> None:
+        self.local.record_outcome_sync(worker, ok)
+        if not ok or self._fails.get(worker):  # a success on a clean record changes nothing
+            self._fails[worker] = 0 if ok else self._fails.get(worker, 0) + 1
+            self._buffer("C", worker, int(ok))
+            if not ok and self._flush_timer is not None:  # failures reach the other replicas at once
+                self._flush_timer.cancel()
+                self._flush_soon()
 
     # -- routing ------------------------------------------------------------------------
     async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
+        """For health checks, metrics and the admin API (the request path uses ``route_view``)."""
+        self.background_commands += 1
+        return (await self._view(hashes, False))[0]
+
+    async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
+        self.request_commands += 1
+        return await self._view(hashes, want_ticket)
+
+    async def _view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         if self._up:
-            try:
-                rows = await self._scripts["snap"](args=[self.ns, self.prefix.ttl_s, self.lease_s, *hashes])
-            except _REDIS_ERRORS as e:
-                self._lost(e)
-            else:
-                out = []
-                for name, spec_json, m, reqs, toks, down in rows:
-                    spec = WorkerSpec.from_dict(json.loads(spec_json))
-                    if spec.name not in self.local.workers:
-                        self.local.add_worker_sync(spec)  # learnt from another replica
-                    out.append(WorkerState(spec, not down, int(m), int(reqs), int(toks)))
-                known = {s.name for s in out}
-                for gone in [w for w in self.local.workers if w not in known]:
-                    self.local.remove_worker_sync(gone)  # removed through another replica
-                return sorted(out, key=lambda s: s.name)
-        return self.local.snapshot_sync(hashes)
+            res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
+            if res is not None:
+                return self._merge(res[1], hashes), int(res[0])
+        return self.local.snapshot_sync(hashes), await self.local.next_ticket()
+
+    def _merge(self, rows: list, hashes: Sequence[int]) -> list[WorkerState]:
+        """Redis's view of the other replicas plus this replica's exact local counts."""
+        now = self.local.clock()
+        out = []
+        for name, spec_json, reqs, work, m, age, down, fails, is_open in rows:
+            name = name.decode()
+            spec = self.local.workers.get(name)
+            if spec is None:
+                spec = WorkerSpec.from_dict(json.loads(spec_json))
+                self.local.add_worker_sync(spec)  # learnt from another replica
+            self._others[name] = max(0, int(reqs))
+            self._fails[name] = int(fails)
+            own_r, own_w = self.local.loads.get(name)
+            lm, lage = self.local.index.match_age(name, hashes, now)
+            age_s = float(age)
+            age_s = age_s if age_s >= 0 else float("inf")
+            out.append(WorkerState(spec, not down, max(int(m), lm), self._others[name] + own_r,
+                                   max(0, int(work)) + own_w, min(age_s, lage), bool(is_open)))
+        known = {s.name for s in out}
+        for gone in [w for w in self.local.workers if w not in known]:
+            self.local.remove_worker_sync(gone)  # removed through another replica
+        out.sort(key=lambda s: s.name)
+        return out
 
     async def next_ticket(self) -> int:
-        if self._up:
-            try:
-                return int(await self.r.incr(f"{self.ns}:rr"))
-            except _REDIS_ERRORS as e:
-                self._lost(e)
-        return await self.local.next_ticket()
+        return (await self._view((), True))[1]
 
-    async def acquire(self, worker: str, limit: int, tokens: int, hashes: Sequence[int]) -> Lease | None:
+    async def acquire(self, worker: str, limit: int, work_ms: int, hashes: Sequence[int]) -> Lease | None:
+        """Far from the limit: count locally, Redis learns it with the next call. Within
+        ``strict_margin(limit)`` of it (where another replica's last few admissions matter):
+        one more round trip that checks every replica's count and admits atomically."""
+        own = self.local.loads.get(worker)[0]
         if self._up:
-            try:
-                ok = await self._scripts["acq"](args=[
-                    self.ns, self.replica, worker, limit, tokens, self.lease_s,
-                    self.prefix.max_blocks_per_worker, self.prefix.ttl_s, *hashes,
-                ])
-            except _REDIS_ERRORS as e:
-                self._lost(e)
+            seen = self._others.get(worker, 0) + own
+            if seen >= limit:
+                return None
+            if seen >= limit - strict_margin(limit):
+                self.request_commands += 1
+                ok = await self._call(_STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
+                if ok is not None:
+                    if not ok:
+                        return None
+                    return self.local.acquire_sync(worker, 1 << 60, work_ms, hashes)
             else:
-                if not ok:
-                    return None
-                # mirror locally; the local limit check cannot refuse what Redis admitted
-                self._version += 1
-                return self.local.acquire_sync(worker, 1 << 60, tokens, hashes)
-        lease = self.local.acquire_sync(worker, limit, tokens, hashes)
+                lease = self.local.acquire_sync(worker, 1 << 60, work_ms, hashes)
+                self._buffer("A", worker, work_ms, len(hashes), *hashes)
+                return lease
+        lease = self.local.acquire_sync(worker, limit, work_ms, hashes)
         if lease is not None:
             self._version += 1
             self._missed.append((worker, tuple(hashes)))
@@ -321,28 +353,24 @@ class RedisState(RouterState):
         if lease.prefilled or lease.released:
             return
         self.local.prefill_done_sync(lease)
-        self._version += 1
-        await self._adjust(lease.worker, 0, -lease.tokens)
+        self._buffer("D", lease.worker, 0, -lease.work_ms)
 
     async def release(self, lease: Lease) -> None:
         if lease.released:
             return
-        dtok = 0 if lease.prefilled else -lease.tokens
+        dwork = 0 if lease.prefilled else -lease.work_ms
         self.local.release_sync(lease)
-        self._version += 1
-        await self._adjust(lease.worker, -1, dtok)
-
-    async def _adjust(self, worker: str, dreqs: int, dtokens: int) -> None:
-        if not self._up:
-            return  # local truth is pushed on resync
-        try:
-            await self._scripts["adj"](args=[self.ns, self.replica, worker, dreqs, dtokens])
-        except _REDIS_ERRORS as e:
-            self._lost(e)
+        self._buffer("D", lease.worker, -1, dwork)
 
 
-async def heartbeat_loop(state: RedisState, interval_s: float) -> None:
-    """Keep this replica's lease alive and reconnect after an outage."""
-    while True:
+def strict_margin(limit: int) -> int:
+    """How close to a worker's in-flight limit admission turns strict (an atomic check in Redis)."""
+    return max(4, limit // 4)
+
+
+async def heartbeat_loop(state: RedisState, interval_s: float, stopping: asyncio.Event) -> None:
+    """Keep this replica's lease alive and reconnect after an outage, until ``stopping`` is set
+    (checked as well as cancellation: Python 3.11 can lose a cancel that lands as a timeout fires)."""
+    while not stopping.is_set():
         await state.try_resync()
         await asyncio.sleep(interval_s)

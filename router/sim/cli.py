@@ -7,7 +7,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 
-from router.config import PolicyConfig, QueueConfig, QueueOrder
+from router.config import DEFAULT_MAX_INFLIGHT, QueueConfig, QueueOrder
 from router.policies import POLICIES
 from router.sim import report
 from router.sim.engine import SimConfig, simulate
@@ -32,12 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default: %(default)s)")
     p.add_argument("--cache-blocks", type=_csv(int), default=[8192],
                    help="per-worker prefix cache sizes in 512-token blocks, comma-separated (default: 8192)")
-    p.add_argument("--match-weights", type=_csv(float), default=[1.5],
-                   help="gcache policy matchWeight values to sweep (default: 1.5)")
     p.add_argument("--speedups", type=_csv(float), default=[1.0],
                    help="replay speed factors; 4 = four times the trace's arrival rate (default: 1)")
-    p.add_argument("--max-inflight", type=_csv(int), default=[16],
-                   help="per-worker in-flight limits before the router queues (default: 16)")
+    p.add_argument("--max-inflight", type=_csv(int), default=[DEFAULT_MAX_INFLIGHT],
+                   help="per-worker in-flight limits before the router queues (default: %(default)s, "
+                        "the same as serve's)")
     p.add_argument("--policies", type=_csv(str), default=list(POLICIES),
                    help=f"policies to run (default: {','.join(POLICIES)})")
     p.add_argument("--queues", type=_csv(str), default=[q.value for q in QueueOrder],
@@ -59,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    records = run_grid(trace, args.workers, args.cache_blocks, args.match_weights, args.speedups,
-                       args.max_inflight, args.policies, orders, args.aging)
+    records = run_grid(trace, args.workers, args.cache_blocks, args.speedups, args.max_inflight,
+                       args.policies, orders, args.aging)
     print(report.table(records))
     if args.json_path:
         report.write_json(records, args.json_path)
@@ -71,20 +70,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_grid(trace, workers: int, caches: Sequence[int], weights: Sequence[float], speedups: Sequence[float],
-             limits: Sequence[int], policies: Sequence[str], orders: Sequence[QueueOrder],
+def run_grid(trace, workers: int, caches: Sequence[int], speedups: Sequence[float], limits: Sequence[int],
+             policies: Sequence[str], orders: Sequence[QueueOrder],
              aging: float = QueueConfig().aging_tokens_per_s) -> list[dict]:
     records = []
     for sp, cache, lim in itertools.product(speedups, caches, limits):
         for pol, order in itertools.product(policies, orders):
-            for mw in weights if pol == "gcache" else [None]:
-                cfg = SimConfig(
-                    policy=pol,
-                    policy_cfg=PolicyConfig(match_weight=mw) if mw is not None else PolicyConfig(),
-                    queue=QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=3600.0),
-                    workers=workers, cache_blocks=cache, max_inflight=lim, speedup=sp,
-                )
-                rec = simulate(trace, cfg)
-                rec["match_weight"] = mw
-                records.append(rec)
+            cfg = SimConfig(
+                policy=pol,
+                queue=QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=3600.0),
+                workers=workers, cache_blocks=cache, max_inflight=lim, speedup=sp,
+            )
+            records.append(simulate(trace, cfg))
     return records

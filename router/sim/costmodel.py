@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.cost import PREFILL_A_MS, PREFILL_B_MS, PREFILL_C_MS
+
 
 @dataclass(frozen=True)
 class CostModel:
-    prefill_a: float = 4.21e-7  # ms / token^2
-    prefill_b: float = 1.52e-2  # ms / token
-    prefill_c: float = 16.5  # ms
+    prefill_a: float = PREFILL_A_MS  # ms / token^2
+    prefill_b: float = PREFILL_B_MS  # ms / token
+    prefill_c: float = PREFILL_C_MS  # ms
     decode_base_ms: float = 15.0
     decode_per_seq_ms: float = 0.3
 

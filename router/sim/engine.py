@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from router.buckets import BucketMap
-from router.config import BucketConfig, PolicyConfig, PrefixConfig, QueueConfig, WorkerSpec
+from router.config import (
+    DEFAULT_MAX_INFLIGHT,
+    BucketConfig,
+    PolicyConfig,
+    PrefixConfig,
+    QueueConfig,
+    WorkerSpec,
+)
 from router.decide import Outcome, plan
 from router.policies import make_policy
 from router.queue import PendingQueue
@@ -31,12 +38,12 @@ class SimConfig:
     """One simulated fleet. cache_blocks is each worker's prefix-cache capacity in
     512-token blocks; the router's index is bounded to the same size by default."""
 
-    policy: str = "gcache"
+    policy: str = "min_ttft"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
     queue: QueueConfig = field(default_factory=lambda: QueueConfig(max_wait_s=3600.0))
     workers: int = 8
     cache_blocks: int = 8192
-    max_inflight: int = 16
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
     block_tokens: int = 512
     speedup: float = 1.0
     long_threshold: int = 32768
@@ -132,7 +139,7 @@ def simulate(trace: Sequence[TraceRecord], cfg: SimConfig) -> dict:
     def dispatch(i: int, p, now: float) -> None:
         r = trace[i]
         d = p.decision
-        lease = state.acquire_sync(d.worker, cfg.max_inflight, p.uncached_tokens, r.hash_ids)
+        lease = state.acquire_sync(d.worker, cfg.max_inflight, p.work_ms, r.hash_ids)
         assert lease is not None  # plan() only returns workers below their limit
         leases[i] = lease
         reasons[d.reason.value] += 1
@@ -219,7 +226,6 @@ def summarize(trace, cfg, arrival, ttft, cached, est_cached, waits, done_at, rea
         "queue": cfg.queue.order.value,
         "workers": cfg.workers,
         "cache_blocks": cfg.cache_blocks,
-        "match_weight": cfg.policy_cfg.match_weight,
         "max_inflight": cfg.max_inflight,
         "speedup": cfg.speedup,
         "requests": len(trace),

@@ -12,7 +12,6 @@ COLUMNS = [
     ("cache_blocks", "cache", "{}"),
     ("max_inflight", "limit", "{}"),
     ("policy", "policy", "{}"),
-    ("match_weight", "mw", "{}"),
     ("queue", "queue", "{}"),
     ("hit_rate", "hit", "{:.3f}"),
     ("ttft_p50_s", "p50", "{:.3f}"),
@@ -43,10 +42,6 @@ def write_json(records: Sequence[dict], path: str | Path) -> None:
     Path(path).write_text(json.dumps(list(records), indent=1, sort_keys=True) + "\n")
 
 
-def _mw(r: dict) -> str:
-    return "" if r.get("match_weight") is None else f" mw={r['match_weight']:g}"
-
-
 def plot(records: Sequence[dict], path: str | Path) -> None:
     """One bar group per (policy, queue) of the first configuration, four panels."""
     import matplotlib
@@ -63,7 +58,7 @@ def plot(records: Sequence[dict], path: str | Path) -> None:
         if (r["speedup"], r["cache_blocks"], r["max_inflight"])
         == (first["speedup"], first["cache_blocks"], first["max_inflight"])
     ]
-    labels = [f"{r['policy']}{_mw(r)}\n{r['queue']}" for r in sel]
+    labels = [f"{r['policy']}\n{r['queue']}" for r in sel]
     panels = [
         ("hit_rate", "prefix hit rate"),
         ("ttft_p90_s", "TTFT p90 (s)"),

@@ -107,7 +107,28 @@ def test_config(**kw):
     kw.setdefault("queue", QueueConfig(max_wait_s=5.0))
     kw.setdefault("health_interval_s", 0.1)
     kw.setdefault("health_failures", 2)
+    kw.setdefault("upstream_first_byte_timeout_s", 20.0)  # nothing in a test waits on a worker for long
+    kw.setdefault("admin_token", ADMIN_TOKEN)
+    kw.setdefault("worker_header", True)
+    kw.setdefault("worker_id_salt", "test")
     return RouterConfig(**kw)
+
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def wid(url: str) -> str:
+    """The X-Gcache-Worker value test_config's routers send for the worker at ``url``."""
+    from router.config import WorkerSpec, worker_id
+
+    return worker_id(WorkerSpec(url), "test")
+
+
+def url_of(resp, urls) -> str | None:
+    """The worker URL (among ``urls``) that served ``resp``, from its X-Gcache-Worker id."""
+    got = resp.headers.get("X-Gcache-Worker")
+    return next((u for u in urls if wid(u) == got), None)
 
 
 test_config.__test__ = False  # not a test, despite the name

@@ -7,6 +7,10 @@ Test controls, in the request body (ignored by the router, forwarded byte-exact)
   "chunks": 3        with "stream": true, send that many SSE events; between events
                      wait for POST /release when "gate" is true
 Every answer includes the sha256 of the body the worker received.
+
+With ``prefill_s_per_token`` > 0 the worker also models prefill time: requests take turns
+(one prefill at a time) and each sleeps ``prefill_base_s + prefill_s_per_token x uncached
+tokens`` before answering.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ CHUNK = 64  # characters per cached block
 
 
 class FakeWorker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, prefill_s_per_token: float = 0.0, prefill_base_s: float = 0.0) -> None:
         self.name = name
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prefill_base_s = prefill_base_s
+        self._prefill = asyncio.Lock()
+        self.instance_id = "1"  # reported by /health; change it to play a restart
+        self.fail_status = 0  # when set, every inference request is answered with this status
         self.cache: set[str] = set()
         self.healthy = True
         self.served = 0
@@ -35,11 +44,16 @@ class FakeWorker:
         for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
             app.router.add_post(path, self.infer)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/release", self.release)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)
+        return web.json_response({"ok": self.healthy, "instance_id": self.instance_id},
+                                 status=200 if self.healthy else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def release(self, request: web.Request) -> web.Response:
         self.gate.set()
@@ -59,14 +73,21 @@ class FakeWorker:
         self.bodies.append(raw)
         body = json.loads(raw)
         digest = hashlib.sha256(raw).hexdigest()
-        if body.get("fail"):
-            return web.json_response({"error": {"message": "upstream exploded"}}, status=int(body["fail"]))
+        if body.get("fail") or self.fail_status:
+            status = int(body.get("fail") or self.fail_status)
+            return web.json_response({"error": {"message": "upstream exploded"}}, status=status)
         self.active += 1
         try:
             if body.get("hold"):
                 await self.gate.wait()
             text = body.get("prompt") or body.get("text") or json.dumps(body.get("messages"))
-            cached = self._cached_tokens(text if isinstance(text, str) else json.dumps(text))
+            text = text if isinstance(text, str) else json.dumps(text)
+            if self.prefill_s_per_token > 0:
+                async with self._prefill:
+                    cached = self._cached_tokens(text)
+                    await asyncio.sleep(self.prefill_base_s + self.prefill_s_per_token * (len(text) // 4 - cached))
+            else:
+                cached = self._cached_tokens(text)
             self.served += 1
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -33,7 +33,7 @@ def test_serve_process_routes_requests():
             port = free_port()
             proc = subprocess.Popen(  # noqa: ASYNC220 - started once, stopped by PID below
                 [sys.executable, "-m", "router", "serve", "--port", str(port), "--worker", wurl,
-                 "--state", "memory", "--log-level", "WARNING"],
+                 "--state", "memory", "--log-level", "INFO"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )
             try:
@@ -50,5 +50,7 @@ def test_serve_process_routes_requests():
             finally:
                 os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(10)
+                log = proc.stderr.read().decode()
                 proc.stderr.close()
+            assert '"POST /v1/completions' not in log  # no access log unless --access-log, even at INFO
     asyncio.run(main())

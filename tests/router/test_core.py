@@ -6,6 +6,7 @@ import pytest
 
 from router.buckets import BucketMap
 from router.config import BucketConfig, PolicyConfig, PrefixConfig, QueueConfig, RouterConfig, WorkerSpec
+from router.cost import PrefillCost
 from router.encoder import HashRing
 from router.prefix import PrefixIndex, chain_text_hashes, chain_token_hashes
 from router.request import BadRequest, parse_request
@@ -37,7 +38,10 @@ def test_prefix_index_match_lru_bound_and_ttl():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: PolicyConfig(match_weight=-1),
+        lambda: PolicyConfig(affinity_weight=-1),
+        lambda: PolicyConfig(busy_scale_ms=0),
+        lambda: PrefillCost(a_ms=-1),
+        lambda: WorkerSpec("http://x", speed=0),
         lambda: PolicyConfig(cache_threshold=2),
         lambda: QueueConfig(max_wait_s=0),
         lambda: PrefixConfig(block_tokens=0),

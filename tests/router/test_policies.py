@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 from router.config import PolicyConfig
+from router.cost import PrefillCost
 from router.policies import POLICIES, Candidate, Reason, RouteInput, make_policy
 
-CFG = PolicyConfig(match_weight=1.5, min_match_blocks=2, load_floor_tokens=1000, decode_tokens_per_request=0,
-                   balance_abs_threshold=2, balance_rel_threshold=1.5, cache_threshold=0.3)
+CFG = PolicyConfig(inflight_penalty_ms=0, balance_abs_threshold=2, balance_rel_threshold=1.5, cache_threshold=0.3)
+COST = PrefillCost()
 
 
-def C(name, matched=0, reqs=0, tokens=0):
-    return Candidate(name, matched, reqs, tokens)
+def C(name, matched=0, reqs=0, pending=0, uncached=0, age_ms=float("inf"), speed=1.0):
+    return Candidate(name, matched, reqs, pending, uncached, 0, speed, age_ms)
 
 
 def test_registry_and_unknown_policy():
-    assert set(POLICIES) == {"round_robin", "least_load", "sglang", "gcache"}
+    assert set(POLICIES) == {"round_robin", "least_load", "sglang", "min_ttft"}
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random")
 
@@ -27,9 +28,10 @@ def test_round_robin_cycles_by_ticket():
     assert [p.choose(RouteInput(1, 10, t), cands).worker for t in range(6)] == list("abcabc")
 
 
-def test_least_load_uses_tokens_then_requests_then_spreads_ties_by_request():
+def test_least_load_uses_work_per_speed_then_requests_then_spreads_ties_by_request():
     p = make_policy("least_load", CFG)
-    assert p.choose(RouteInput(1, 10), [C("a", tokens=50), C("b", tokens=10), C("c", tokens=10, reqs=1)]).worker == "b"
+    assert p.choose(RouteInput(1, 10), [C("a", pending=50), C("b", pending=10), C("c", pending=10, reqs=1)]).worker == "b"
+    assert p.choose(RouteInput(1, 10), [C("a", pending=50, speed=10), C("b", pending=10)]).worker == "a"
     idle = [C(n) for n in "abcd"]
     picks = [p.choose(RouteInput(1, 10, key=k), idle).worker for k in range(40)]
     assert len(set(picks)) == 4  # idle workers share new requests
@@ -38,38 +40,70 @@ def test_least_load_uses_tokens_then_requests_then_spreads_ties_by_request():
 
 def test_gated_policy_three_branches():
     p = make_policy("sglang", CFG)
+
+    def G(name, held, reqs):  # a 100-token prompt, ``held`` of it on the worker
+        return C(name, held // 10, reqs, 0, 100 - held)
     # imbalance (6-1 > 2 and 6 > 1.5) -> least requests, cache ignored
-    d = p.choose(RouteInput(10, 100), [C("a", matched=9, reqs=6), C("b", reqs=1)])
+    d = p.choose(RouteInput(10, 100), [G("a", 90, 6), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("b", Reason.IMBALANCE)
-    # balanced, best match 5/10 >= 0.3 -> best match
-    d = p.choose(RouteInput(10, 100), [C("a", matched=5, reqs=2), C("b", reqs=1)])
+    # balanced, match rate 50/100 >= 0.3 -> best match
+    d = p.choose(RouteInput(10, 100), [G("a", 50, 2), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("a", Reason.CACHE_MATCH)
-    # balanced, best match 2/10 < 0.3 -> least load
-    d = p.choose(RouteInput(10, 100), [C("a", matched=2, reqs=2), C("b", reqs=1)])
+    # balanced, match rate 20/100 < 0.3 -> least load
+    d = p.choose(RouteInput(10, 100), [G("a", 20, 2), G("b", 0, 1)])
     assert (d.worker, d.reason) == ("b", Reason.NO_MATCH)
 
 
-def test_gcache_score_affinity_vs_load_and_shared_prefix():
-    p = make_policy("gcache", CFG)
-    # a shared 1-block system prompt (below min_match_blocks) does not attract traffic
-    d = p.choose(RouteInput(10, 100), [C("a", matched=1, tokens=500), C("b", tokens=0)])
-    assert (d.worker, d.reason) == ("b", Reason.SCORE_LOAD)
-    # a long match beats a moderate load difference: 1.5*0.8 - 0.5 > 0
-    d = p.choose(RouteInput(10, 100), [C("a", matched=8, tokens=500), C("b", tokens=0)])
-    assert (d.worker, d.reason) == ("a", Reason.SCORE_AFFINITY)
-    # ...but not a saturated worker: 1.5*0.3 - 1.0 < 0
-    d = p.choose(RouteInput(10, 100), [C("a", matched=3, tokens=4000), C("b", tokens=0)])
-    assert d.worker == "b"
-    s = p.scores(RouteInput(10, 100), [C("a", matched=3, tokens=4000), C("b", tokens=0)])
-    assert s == pytest.approx({"a": 1.5 * 0.3 - 1.0, "b": 0.0})
+# A 20-block (10K-token) prompt whose first 18 blocks worker "a" holds.
+WARM, COLD = 1024, 10240
+DELTA = COST.ms(COLD) - COST.ms(WARM)  # the prefill a spill repeats
+
+
+def test_min_ttft_scores_are_ttft_plus_the_charged_spill():
+    p = make_policy("min_ttft", CFG)
+    cands = [C("a", 18, pending=300, uncached=WARM), C("b", pending=100, uncached=COLD)]
+    k = CFG.affinity_weight + 100 / CFG.busy_scale_ms  # the other worker's mean pending work
+    assert p.scores(cands) == pytest.approx({"a": 300 + COST.ms(WARM), "b": 100 + COST.ms(COLD) + k * DELTA})
+    assert p.choose(RouteInput(20, COLD), cands) == p.choose(RouteInput(20, COLD), cands[::-1])
+
+
+def test_min_ttft_affinity_is_bounded_by_what_it_saves():
+    p = make_policy("min_ttft", CFG)
+    bound = CFG.affinity_weight * DELTA + DELTA  # idle elsewhere: k = affinity_weight
+    d = p.choose(RouteInput(20, COLD), [C("a", 18, pending=int(bound) - 5, uncached=WARM), C("b", uncached=COLD)])
+    assert (d.worker, d.reason) == ("a", Reason.WARM)
+    d = p.choose(RouteInput(20, COLD), [C("a", 18, pending=int(bound) + 5, uncached=WARM), C("b", uncached=COLD)])
+    assert (d.worker, d.reason) == ("b", Reason.SPILL)
+    d = p.choose(RouteInput(20, COLD), [C("a", uncached=COLD), C("b", pending=1, uncached=COLD)])
+    assert (d.worker, d.reason) == ("a", Reason.COLD)
+
+
+def test_min_ttft_hot_prefix_spills_once_its_queue_exceeds_a_cold_prefill():
+    p = make_policy("min_ttft", CFG)
+    # the prefix was last requested 10 ms ago: its warm prefill is more than half that interval
+    hot = {"matched": 18, "uncached": WARM, "age_ms": 10.0}
+    d = p.choose(RouteInput(20, COLD), [C("a", pending=int(DELTA) - 5, **hot), C("b", uncached=COLD)])
+    assert d.worker == "a"
+    d = p.choose(RouteInput(20, COLD), [C("a", pending=int(DELTA) + 5, **hot), C("b", uncached=COLD)])
+    assert (d.worker, d.reason) == ("b", Reason.SPILL)
+    # the same queue on a prefix last requested a minute ago keeps it on its owner
+    d = p.choose(RouteInput(20, COLD), [C("a", pending=int(DELTA) + 5, matched=18, uncached=WARM, age_ms=60_000),
+                                        C("b", uncached=COLD)])
+    assert d.worker == "a"
+
+
+def test_min_ttft_normalises_load_by_worker_speed():
+    p = make_policy("min_ttft", CFG)
+    cands = [C("a", pending=1000, uncached=COLD, speed=4.0), C("b", pending=400, uncached=COLD)]
+    assert p.choose(RouteInput(20, COLD), cands).worker == "a"  # (1000 + cold) / 4 < 400 + cold
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_choice_does_not_depend_on_candidate_order(name):
     p = make_policy(name, CFG)
-    cands = [C("a", 3, 1, 100), C("b", 3, 1, 100), C("c", 0, 0, 0), C("d", 5, 2, 300)]
-    first = p.choose(RouteInput(10, 100, 7), sorted(cands, key=lambda c: c.name))
-    again = p.choose(RouteInput(10, 100, 7), sorted(cands, key=lambda c: c.name))
+    cands = [C("a", 3, 1, 100, 700), C("b", 3, 1, 100, 700), C("c", 0, 0, 0, 2000), C("d", 5, 2, 300, 0)]
+    first = p.choose(RouteInput(10, 2000, 7), sorted(cands, key=lambda c: c.name))
+    again = p.choose(RouteInput(10, 2000, 7), sorted(cands, key=lambda c: c.name))
     assert first == again
     if name != "round_robin":  # round-robin indexes the name-sorted list by design
-        assert p.choose(RouteInput(10, 100, 7), list(reversed(cands))) == first
+        assert p.choose(RouteInput(10, 2000, 7), list(reversed(cands))) == first

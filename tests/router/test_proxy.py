@@ -11,7 +11,7 @@ import aiohttp
 
 from router.config import QueueConfig, WorkerSpec
 from router.proxy import APP_KEY, build_app
-from tests.router.conftest import poll, serve_app, test_config
+from tests.router.conftest import ADMIN, poll, serve_app, test_config, url_of, wid
 from tests.router.fakeworker import FakeWorker
 
 SYSTEM = "You are a helpful assistant. " * 10  # ~290 chars: 4 blocks of 64 chars
@@ -29,7 +29,7 @@ async def fleet(n=3, cfg=None, specs=None):
 
 
 async def inflight_total(router):
-    return sum(s.inflight_requests + s.pending_tokens for s in await router.state.snapshot(()))
+    return sum(s.inflight_requests + s.pending_ms for s in await router.state.snapshot(()))
 
 
 async def counters_zero(router):
@@ -44,13 +44,13 @@ def test_forwarding_is_byte_exact_and_cache_affine():
                               headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 200
                 first = await r.json()
-                w1 = r.headers["X-Gcache-Worker"]
+                w1 = url_of(r, fakes)
             assert first["sha256"] == hashlib.sha256(raw).hexdigest()
             assert fakes[w1].bodies[-1] == raw
             for _ in range(3):  # the same conversation keeps going to the worker that has it
                 async with s.post(url + "/v1/completions", data=raw) as r:
                     body = await r.json()
-                    assert r.headers["X-Gcache-Worker"] == w1
+                    assert url_of(r, fakes) == w1
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             # a different conversation sharing only the system prompt is balanced elsewhere
             async with s.post(url + "/v1/chat/completions", json={"messages": [
@@ -68,7 +68,7 @@ def test_streaming_passes_through_chunk_by_chunk():
                 got = await r.content.readuntil(b"\n\n")  # arrives while the worker still holds the rest
                 assert json.loads(got[len(b"data: "):]) == {"i": 0, "worker": "w0"}
                 snap = await router.state.snapshot(())
-                assert snap[0].inflight_requests == 1 and snap[0].pending_tokens == 0  # prefill done
+                assert snap[0].inflight_requests == 1 and snap[0].pending_ms == 0  # prefill done
                 fake.gate.set()
                 got = await r.content.readuntil(b"\n\n")
                 assert b'"i": 1' in got
@@ -93,7 +93,7 @@ def test_bad_requests_get_clear_4xx_and_the_router_survives():
                 ("DELETE", "/admin/workers", b"", 400, "?url="),
             ]
             for method, path, data, status, msg in cases:
-                async with s.request(method, url + path, data=data) as r:
+                async with s.request(method, url + path, data=data, headers=ADMIN) as r:
                     body = await r.json()
                     assert r.status == status, (path, r.status, body)
                     assert msg in body["error"]["message"], body
@@ -130,7 +130,7 @@ def test_unreachable_worker_gives_502_then_health_check_removes_and_restores_it(
                 await poll(lambda: _not(healthy(dead)), what="dead worker marked down")
                 for _ in range(4):
                     async with s.post(url + "/v1/completions", json={"prompt": "p"}) as r:
-                        assert r.status == 200 and r.headers["X-Gcache-Worker"] == good
+                        assert r.status == 200 and r.headers["X-Gcache-Worker"] == wid(good)
                 fake.healthy = False
                 await poll(lambda: _not(healthy(good)), what="failing worker marked down")
                 async with s.post(url + "/v1/completions", json={"prompt": "p"}) as r:
@@ -151,18 +151,18 @@ def test_admin_api_add_list_remove():
         async with fleet(n=1) as (url, s, fakes, _router):
             extra = FakeWorker("extra")
             async with serve_app(extra.app()) as eurl:
-                async with s.post(url + "/admin/workers", json={"url": eurl, "max_inflight": 7}) as r:
+                async with s.post(url + "/admin/workers", json={"url": eurl, "max_inflight": 7}, headers=ADMIN) as r:
                     assert r.status == 201
-                async with s.post(url + "/admin/workers", json={"url": "ftp://x"}) as r:
+                async with s.post(url + "/admin/workers", json={"url": "ftp://x"}, headers=ADMIN) as r:
                     assert r.status == 400 and "http://" in (await r.json())["error"]["message"]
-                listed = (await (await s.get(url + "/admin/workers")).json())["workers"]
+                listed = (await (await s.get(url + "/admin/workers", headers=ADMIN)).json())["workers"]
                 assert {w["url"] for w in listed} == {*fakes, eurl}
                 assert [w["max_inflight"] for w in listed if w["url"] == eurl] == [7]
-                async with s.delete(url + "/admin/workers", params={"url": eurl}) as r:
+                async with s.delete(url + "/admin/workers", params={"url": eurl}, headers=ADMIN) as r:
                     assert r.status == 200
-                async with s.delete(url + "/admin/workers", params={"url": eurl}) as r:
+                async with s.delete(url + "/admin/workers", params={"url": eurl}, headers=ADMIN) as r:
                     assert r.status == 404
-                listed = (await (await s.get(url + "/admin/workers")).json())["workers"]
+                listed = (await (await s.get(url + "/admin/workers", headers=ADMIN)).json())["workers"]
                 assert {w["url"] for w in listed} == set(fakes)
     asyncio.run(main())
 
@@ -208,8 +208,8 @@ def test_media_requests_stick_to_one_encoder():
                         {"type": "text", "text": q}, {"type": "image_url", "image_url": {"url": img}}]}]}
                     async with s.post(url + "/v1/chat/completions", json=body) as r:
                         assert r.status == 200
-                        chosen.setdefault(img, set()).add(r.headers["X-Gcache-Worker"])
+                        chosen.setdefault(img, set()).add(url_of(r, urls))
             assert all(len(v) == 1 and next(iter(v)) in urls for v in chosen.values())
             async with s.post(url + "/v1/completions", json={"prompt": "text only"}) as r:
-                assert r.headers["X-Gcache-Worker"] == lurl
+                assert r.headers["X-Gcache-Worker"] == wid(lurl)
     asyncio.run(main())

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from router.config import StateMode, WorkerSpec
 from router.proxy import APP_KEY, build_app
-from tests.router.conftest import poll, serve_app, test_config
+from tests.router.conftest import poll, serve_app, test_config, url_of
 from tests.router.fakeworker import FakeWorker
 
 
@@ -19,7 +19,7 @@ async def replicas(redis_url, n_workers=3, n_replicas=2, max_inflight=64, ns="t"
     fakes = [FakeWorker(f"w{i}") for i in range(n_workers)]
     async with contextlib.AsyncExitStack() as st:
         urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
-        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="gcache")
+        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="min_ttft")
         apps = [build_app(cfg, [WorkerSpec(u, max_inflight=max_inflight) for u in urls]) for _ in range(n_replicas)]
         rurls = [await st.enter_async_context(serve_app(a)) for a in apps]
         s = await st.enter_async_context(aiohttp.ClientSession())
@@ -37,13 +37,23 @@ def conv(i):
 
 def test_two_replicas_agree_on_placement_and_state(redis_proc):
     async def main():
-        async with replicas(redis_proc.url) as (rurls, s, _fakes, routers):
-            first = {}
-            for i in range(6):
-                async with s.post(rurls[i % 2] + "/v1/completions", json={"prompt": conv(i)}) as r:
+        async with replicas(redis_proc.url) as (rurls, s, fakes, routers):
+            async def send(i):
+                async with s.post(rurls[i % 2] + "/v1/completions", json={"prompt": conv(i), "hold": True}) as r:
                     assert r.status == 200
-                    first[i] = r.headers["X-Gcache-Worker"]
+                    return r.headers["X-Gcache-Worker"]
+            sent = [asyncio.ensure_future(send(i)) for i in range(6)]
+            await poll(lambda: sum(f.active for f in fakes.values()) == 6, what="six conversations in flight")
+            for f in fakes.values():
+                f.gate.set()
+            first = dict(enumerate(await asyncio.gather(*sent)))
             assert len(set(first.values())) > 1  # load spreads new conversations
+
+            async def converged():  # a replica's changes reach the others within flush_delay_s
+                views = [[(w.name, w.matched_blocks, w.inflight_requests)
+                          for w in await rt.state.snapshot(conv_hashes(routers[0], 3))] for rt in routers]
+                return views[0] == views[1] and all(w[2] == 0 for w in views[0])
+            await poll(converged, what="both replicas see the same prefixes and loads")
             for i in range(6):  # the other replica sends each conversation to the same worker
                 async with s.post(rurls[(i + 1) % 2] + "/v1/completions", json={"prompt": conv(i) + "more"}) as r:
                     assert r.headers["X-Gcache-Worker"] == first[i]
@@ -51,9 +61,10 @@ def test_two_replicas_agree_on_placement_and_state(redis_proc):
             async def idle():
                 return all(w.inflight_requests == 0 for w in await routers[0].state.snapshot(()))
             await poll(idle, what="all requests finished")
-            views = [await rt.state.snapshot(conv_hashes(routers[0], 3)) for rt in routers]
+            views = [[(w.spec, w.healthy, w.matched_blocks, w.inflight_requests, w.pending_ms)
+                      for w in await rt.state.snapshot(conv_hashes(routers[0], 3))] for rt in routers]
             assert views[0] == views[1]
-            assert max(w.matched_blocks for w in views[0]) > 2  # both see the same prefix index
+            assert max(w[2] for w in views[0]) > 2  # both see the same prefix index
     asyncio.run(main())
 
 
@@ -62,20 +73,24 @@ def test_counters_stay_consistent_under_concurrent_load(redis_proc):
         async with replicas(redis_proc.url, max_inflight=3) as (rurls, s, fakes, routers):
             reqs = [asyncio.ensure_future(s.post(rurls[i % 2] + "/v1/completions",
                                                  json={"prompt": conv(i), "hold": True})) for i in range(15)]
-            await poll(lambda: sum(f.active for f in fakes.values()) == 9, what="all 9 slots busy")
-            for rt in routers:
-                snap = {w.name: w.inflight_requests for w in await rt.state.snapshot(())}
-                assert snap == {u: f.active for u, f in fakes.items()} == {u: 3 for u in fakes}
-            assert sum(rt.admission.depth() for rt in routers) == 6  # the rest wait, none over the limit
-            for f in fakes.values():
-                f.gate.set()
+            try:
+                await poll(lambda: sum(rt.admission.depth() for rt in routers) == 6, what="six requests queued")
+                assert {u: f.active for u, f in fakes.items()} == {u: 3 for u in fakes}  # none over the limit
+
+                async def agreed():  # each replica sees the other's admissions within flush_delay_s
+                    snaps = [{w.name: w.inflight_requests for w in await rt.state.snapshot(())} for rt in routers]
+                    return all(sn == {u: 3 for u in fakes} for sn in snaps)
+                await poll(agreed, what="both replicas count 3 in flight on every worker")
+            finally:
+                for f in fakes.values():
+                    f.gate.set()
             statuses = [r.status for r in await asyncio.gather(*reqs)]
             assert statuses == [200] * 15
             assert sum(f.served for f in fakes.values()) == 15
 
             async def zero():
                 snaps = [await rt.state.snapshot(()) for rt in routers]
-                return all(w.inflight_requests == 0 and w.pending_tokens == 0 for sn in snaps for w in sn)
+                return all(w.inflight_requests == 0 and w.pending_ms == 0 for sn in snaps for w in sn)
             await poll(zero, what="counters back to zero on both replicas")
     asyncio.run(main())
 
@@ -94,7 +109,7 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
             for i in range(3, 6):
                 async with s.post(url + "/v1/completions", json={"prompt": conv(i)}) as r:
                     assert r.status == 200
-                    outage_worker = r.headers["X-Gcache-Worker"]
+                    outage_worker = url_of(r, fakes)
             health = await (await s.get(url + "/health")).json()
             assert health["state"] == "degraded"
             metrics = await (await s.get(url + "/metrics")).text()
@@ -125,3 +140,30 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
 async def _state_is(s, url, want):
     async with s.get(url + "/health") as r:
         return (await r.json())["state"] == want
+
+
+def test_one_redis_round_trip_per_request(redis_proc):
+    async def main():
+        async with replicas(redis_proc.url, n_replicas=1, ns="rt") as (rurls, s, _fakes, routers):
+            state = routers[0].state
+            before_req, before_flush, before_rt = state.request_commands, state.flush_commands, state.pipelines
+            for i in range(20):
+                async with s.post(rurls[0] + "/v1/completions", json={"prompt": conv(i)}) as r:
+                    assert r.status == 200
+            assert state.request_commands - before_req == 20  # the snapshot; admit/release ride on it
+            assert state.flush_commands - before_flush <= 20  # flushes off the request path
+            assert state.pipelines - before_rt <= 40  # one round trip per command at most
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:  # and what they carried arrived: prefixes recorded, counters back to zero
+                await poll(lambda: _all_zero(rc, "rt"), what="load counters back to zero in Redis")
+                assert sum([await rc.zcard(f"rt:px:{w}") for w in _fakes]) > 0
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
+
+
+async def _all_zero(rc, ns):
+    for key in await rc.keys(f"{ns}:load:*"):
+        if any(int(v) != 0 for v in (await rc.hgetall(key)).values()):
+            return False
+    return True

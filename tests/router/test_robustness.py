@@ -1,0 +1,187 @@
+"""Bad input, slow clients, slow or dead workers: every case answered clearly and counted,
+requests that never reached a worker retried elsewhere, the router survives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import time
+
+import aiohttp
+
+from router.config import QueueConfig, WorkerSpec
+from router.proxy import APP_KEY, build_app
+from tests.router.conftest import poll, serve_app, test_config, wid
+from tests.router.fakeworker import FakeWorker
+
+
+@contextlib.asynccontextmanager
+async def router_for(specs, **cfg):
+    app = build_app(test_config(**cfg), specs)
+    async with serve_app(app) as url, aiohttp.ClientSession() as s:
+        yield url, s, app[APP_KEY]
+
+
+async def metric(s, url, line_start):
+    text = await (await s.get(url + "/metrics")).text()
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_malformed_inputs_are_clear_4xx_and_counted():
+    cases = [
+        ("/generate", b'{"input_ids": [1, 2, 18446744073709551616]}', "token ids must be integers"),
+        ("/v1/completions", b'{"prompt": [5, -1]}', "token ids must be integers"),
+        ("/v1/completions", b'{"prompt": "hello \\ud800 world"}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}',
+         "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", (b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+                                 b'"image_url": {"url": "http://x/\\ud800.png"}}]}]}'), "lone UTF-16 surrogate"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ]
+
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for([WorkerSpec(wurl)], max_body_bytes=1 << 20) as (url, s, _):
+            for path, raw, msg in cases:
+                async with s.post(url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
+                    body = await r.json()
+                    assert r.status == 400 and msg in body["error"]["message"], (path, r.status, body)
+            assert fake.served == 0
+            n400 = sum([await metric(s, url, f'gcache_router_requests_total{{route="{p}",status="400"}}')
+                        for p in ("/generate", "/v1/completions", "/v1/chat/completions")])
+            assert n400 == len(cases)
+            async with s.post(url + "/v1/completions", json={"prompt": "still alive"}) as r:
+                assert r.status == 200
+    asyncio.run(main())
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, \
+                router_for([WorkerSpec(wurl)], client_body_timeout_s=0.3) as (url, s, _):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            t0 = time.monotonic()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 408"), head
+            assert time.monotonic() - t0 < 5
+            writer.close()
+            assert await metric(s, url, 'gcache_router_requests_total{route="/v1/completions",status="408"}') == 1
+    asyncio.run(main())
+
+
+def test_upstream_first_byte_and_idle_timeouts():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for(
+                [WorkerSpec(wurl)], upstream_first_byte_timeout_s=0.3, upstream_idle_timeout_s=0.3) as (url, s, router):
+            t0 = time.monotonic()
+            async with s.post(url + "/v1/completions", json={"prompt": "slow", "hold": True}) as r:
+                assert r.status == 504 and "no response within 0.3s" in (await r.json())["error"]["message"]
+            assert time.monotonic() - t0 < 5
+            fake.gate.set()  # let the held handler finish
+            fake.gate.clear()
+            t0 = time.monotonic()
+            async with s.post(url + "/generate", json={"text": "hi", "stream": True, "chunks": 3, "gate": True}) as r:
+                assert r.status == 200
+                got = await r.read()  # first event, then the worker goes silent: the stream is cut
+            assert got.startswith(b"data: ") and b"[DONE]" not in got
+            assert time.monotonic() - t0 < 5
+            fake.gate.set()
+            await poll(lambda: _idle(router), what="leases released")
+    asyncio.run(main())
+
+
+async def _idle(router):
+    return all(w.inflight_requests == 0 and w.pending_ms == 0 for w in await router.state.snapshot(()))
+
+
+@contextlib.asynccontextmanager
+async def dead_worker(kind):
+    """A worker address that refuses, never accepts, or resets every connection before answering."""
+    if kind == "refused":
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    elif kind == "connect_timeout":
+        lst = socket.socket()
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(0)
+        port = lst.getsockname()[1]
+        fillers = []
+        for _ in range(4):  # fill the accept backlog: further SYNs are dropped, connects hang
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(("127.0.0.1", port))
+            fillers.append(c)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for c in fillers:
+                c.close()
+            lst.close()
+    else:  # reset: accept, read the request, close with RST
+        async def handle(reader, writer):
+            await reader.read(1)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        finally:
+            srv.close()
+
+
+def test_a_request_that_never_reached_a_worker_is_retried_on_the_next_best():
+    async def main():
+        good = FakeWorker("good")
+        async with serve_app(good.app()) as gurl:
+            for kind in ("refused", "connect_timeout", "reset"):
+                async with dead_worker(kind) as durl, router_for(
+                        # the good worker is very slow on paper, so the dead one is always the first choice
+                        [WorkerSpec(durl), WorkerSpec(gurl, speed=1e-6)], upstream_connect_timeout_s=0.3,
+                        health_interval_s=60) as (url, s, router):
+                    before = good.served
+                    async with s.post(url + "/v1/completions", json={"prompt": f"retry me {kind}"}) as r:
+                        assert r.status == 200, (kind, await r.text())
+                        assert r.headers["X-Gcache-Worker"] == wid(gurl)
+                    assert good.served == before + 1
+                    assert await metric(s, url, "gcache_router_retries_total") == 1, kind
+                    await poll(lambda: _idle(router), what="leases released")
+    asyncio.run(main())
+
+
+def test_only_dead_workers_is_a_502_after_the_retries():
+    async def main():
+        async with dead_worker("refused") as d1, dead_worker("refused") as d2, router_for(
+                [WorkerSpec(d1), WorkerSpec(d2)], health_interval_s=60, retries=1) as (url, s, router):
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                body = await r.json()
+                assert r.status == 502 and "no worker could be reached" in body["error"]["message"], body
+            await poll(lambda: _idle(router), what="leases released")
+    asyncio.run(main())
+
+
+def test_upstream_5xx_is_passed_back_and_the_queue_still_drains():
+    async def main():
+        fake = FakeWorker("w0")
+        fake.fail_status = 503
+        async with serve_app(fake.app()) as wurl, router_for(
+                [WorkerSpec(wurl, max_inflight=1)], queue=QueueConfig(max_wait_s=2)) as (url, s, router):
+            rs = await asyncio.gather(*(s.post(url + "/v1/completions", json={"prompt": str(i)}) for i in range(3)))
+            assert [r.status for r in rs] == [503] * 3  # the worker's own answer, not a router error
+            for r in rs:
+                r.release()
+            await poll(lambda: _idle(router), what="leases released")
+    asyncio.run(main())
