@@ -209,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     pmm = sub.add_parser("mmsim", help="multimodal encoder-cache hit rate: round-robin vs consistent hashing",
                          description="Zipf image trace replayed on encoders with fixed-size embedding caches.")
     multimodal.add_arguments(pmm)
+    pb = sub.add_parser("bench", help="measure the router's overhead against an echo worker",
+                        description="Echo worker direct vs through the router (memory and Redis state), "
+                                    "same client, same run: throughput, latency, streaming time to first byte.")
+    bench_run.add_arguments(pb)
     argv = sys.argv[1:] if argv is None else list(argv)
     toml = _toml_config(argv) if argv[:1] == ["serve"] else None
     if toml:  # a gcache.toml (--config FILE.toml or $GCACHE_CONFIG): [router] gives the flags' defaults
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if toml and a.cmd == "serve" and a.config == toml:
         a.config = None  # already applied; not the JSON worker list
-    return {"serve": serve, "sim": sim_cli.run, "mmsim": multimodal.run}[a.cmd](a)
+    return {"serve": serve, "sim": sim_cli.run, "mmsim": multimodal.run, "bench": bench_run.run}[a.cmd](a)
 
 
 def _toml_config(argv: list[str]) -> str | None:
