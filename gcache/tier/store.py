@@ -17,11 +17,12 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
 from gcache.protocol import Status
 from gcache.tier.arena import Arena
+from gcache.tier.eviction import EvictionConfig
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.pools import GroupId, PoolBudget, PoolBudgets, PoolGroup
 from gcache.tier.ram import Key, RamEntry, RamTier
@@ -39,6 +40,7 @@ class StoreConfig:
     in-flight demotions to free room before answering FULL. promote_on_hit: copy NVMe hits to RAM.
     pool_budgets: RAM byte budgets of tagged pools (gcache.tier.pools); recency_bucket_s: width
     of the recency buckets that order pooled entries (within one, later chain positions go first).
+    eviction: the policy that orders untagged entries and picks what is written to NVMe.
     """
 
     mem_bytes: int
@@ -52,6 +54,7 @@ class StoreConfig:
     pretouch: bool = True
     pool_budgets: tuple[PoolBudget, ...] = ()
     recency_bucket_s: float = 1.0
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
@@ -78,7 +81,7 @@ class Reservation:
 class Hit:
     """A value being read: ``view`` stays valid until Store.release(hit)."""
 
-    __slots__ = ("view", "entry")
+    __slots__ = ("entry", "view")
 
     def __init__(self, view: memoryview, entry: RamEntry | None) -> None:
         self.view, self.entry = view, entry
@@ -88,7 +91,7 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.arena = Arena(config.mem_bytes, pretouch=config.pretouch)
-        self.ram = RamTier(self.arena, config.recency_bucket_s)
+        self.ram = RamTier(self.arena, config.recency_bucket_s, config.eviction)
         self.budgets = PoolBudgets(config.pool_budgets, config.mem_bytes)
         self.nvme = (
             NvmeTier(config.disk_dir, config.disk_bytes, config.segment_bytes) if config.disk_dir else None
@@ -208,7 +211,7 @@ class Store:
                 entry = current
             else:
                 entry = RamEntry(off, loc.size, loc.expires, on_disk=True)
-                self.ram.insert(key, entry)
+                self.ram.insert(key, entry, reused=True)
                 self.counters["promotions"] += 1
             entry.pins += 1
             return Hit(self.arena.slot(entry.off, entry.size), entry)
@@ -280,9 +283,13 @@ class Store:
         return None
 
     def _evict(self, key: Key, entry: RamEntry) -> None:
-        self.ram.pop(key)
+        worth_disk = entry.group is not None or self.ram.policy.admit_to_disk(key)
+        self.ram.pop(key, evicted=True)
         self.counters["evictions"] += 1
         if self.nvme is None or entry.on_disk or self._closed:
+            self.ram.release(entry)
+        elif not worth_disk:
+            self.counters["demotion_skips"] += 1
             self.ram.release(entry)
         elif self._queue_bytes + entry.size <= self.config.demote_queue_bytes:
             self._demoting[key] = entry
