@@ -271,14 +271,15 @@ class ReusePolicy(EvictionPolicy):
 class S3FifoPolicy(EvictionPolicy):
     kind = EvictionKind.S3FIFO
     MAX_FREQ = 3
-    TO_MAIN = 2  # references in the small FIFO that earn a place in main
+    TO_MAIN = 1  # references in the small FIFO that earn a place in main (libCacheSim: accessed at all)
 
     def __init__(self, config: EvictionConfig, capacity: int) -> None:
         super().__init__(config, capacity)
         self._small: OrderedDict[Hashable, int] = OrderedDict()  # key -> reference count
         self._main: OrderedDict[Hashable, int] = OrderedDict()
         self._size: dict[Hashable, int] = {}
-        self._small_bytes = 0
+        self._small_bytes = self._bytes = 0
+        self._small_target = config.small_fraction * capacity
         self._ghost = _Ghost(config.ghost_factor)
 
     def __len__(self) -> int:
@@ -291,13 +292,16 @@ class S3FifoPolicy(EvictionPolicy):
         return f"S3FifoPolicy(small={len(self._small)}, main={len(self._main)}, ghost={len(self._ghost)})"
 
     def insert(self, key: Hashable, size: int, reused: bool = False) -> None:
-        if key in self._size:
+        old = self._size.get(key)
+        if old is not None:
+            self._bytes += size - old
             if key in self._small:
-                self._small_bytes += size - self._size[key]
+                self._small_bytes += size - old
             self._size[key] = size
             self.hit(key)
             return
         self._size[key] = size
+        self._bytes += size
         if self._ghost.take(key):
             self._main[key] = 0
         else:
@@ -315,38 +319,51 @@ class S3FifoPolicy(EvictionPolicy):
         size = self._size.pop(key, None)
         if size is None:
             return
+        self._bytes -= size
         if self._small.pop(key, None) is not None:
             self._small_bytes -= size
             if evicted:
-                self._ghost.add(key, len(self._main))
+                self._ghost.add(key, len(self._size))
         else:
             self._main.pop(key, None)
 
     def reused(self, key: Hashable) -> bool:
         return key in self._main or self._small.get(key, 0) > 0
 
+    def _main_victim(self) -> Hashable:
+        """Reinsert referenced heads of main (one reference less each) until an unreferenced
+        one is at the head; that one is the victim."""
+        main = self._main
+        for _ in range(len(main) * self.MAX_FREQ):
+            key, f = next(iter(main.items()))
+            if f == 0:
+                return key
+            main.move_to_end(key)
+            main[key] = f - 1
+        return next(iter(main))
+
     def candidates(self) -> Iterator[Hashable]:
-        offered = 0
-        steps = 4 * len(self._size) + 4  # bounds the reinsertions; each key is yielded once at most
-        while self._size and offered < len(self._size) and steps > 0:
+        offered, limit = 0, len(self._size)
+        steps = 2 * limit + 2  # bounds the moves to main; each key is yielded once at most
+        in_small = False  # as in the paper, once the small FIFO is chosen it gives the next victim
+        while self._size and offered < limit and steps > 0:
             steps -= 1
-            small = self._small
-            if small and (self._small_bytes >= self.config.small_fraction * self.capacity or not self._main):
+            small, main = self._small, self._main
+            in_small = bool(small) and (in_small or self._small_bytes >= self._small_target or not main)
+            if in_small:
                 key, f = next(iter(small.items()))
-                if f >= self.TO_MAIN:
+                queue = small
+                if f >= self.TO_MAIN:  # earned main; if main is now over its share, main gives a victim
                     del small[key]
                     self._small_bytes -= self._size[key]
-                    self._main[key] = 0
-                    continue
-                queue = small
+                    main[key] = 0
+                    if self._bytes - self._small_bytes <= self.capacity - self._small_target:
+                        continue
+                    key, queue = self._main_victim(), main
             else:
-                key, f = next(iter(self._main.items()))
-                if f > 0:
-                    self._main.move_to_end(key)
-                    self._main[key] = f - 1
-                    continue
-                queue = self._main
+                key, queue = self._main_victim(), main
             offered += 1
+            in_small = False
             yield key
             if key in queue:  # in use
                 queue.move_to_end(key)
