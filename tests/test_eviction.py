@@ -60,7 +60,7 @@ def reuse(**kw):
 
 
 def test_reuse_fresh_entries_go_first_while_reused_ones_age_at_half_speed():
-    p = reuse(protect=0.0)
+    p = reuse(protect=0.0, reused_weight=0.5)
     p.insert("a", 1)  # tick 1
     p.hit("a")  # tick 2: reused
     fill(p, "bcdefghi")  # ticks 3..10, fresh
@@ -224,7 +224,7 @@ def test_store_keeps_a_hot_set_through_a_scan(kind):
 
 
 def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
-    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(protect=0.0)))
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(protect=0.0, reused_weight=0.5)))
     try:
         for i in range(3):
             assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK

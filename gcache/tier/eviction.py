@@ -64,8 +64,8 @@ class EvictionConfig:
     ghost entries per resident entry (reuse, s3fifo). disk: which victims go to NVMe."""
 
     kind: EvictionKind = EvictionKind.REUSE
-    reused_weight: float = 0.5
-    protect: float = 0.2
+    reused_weight: float = 0.65
+    protect: float = 0.3
     small_fraction: float = 0.1
     ghost_factor: float = 1.0
     disk: DiskAdmission = DiskAdmission.ALL
