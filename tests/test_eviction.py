@@ -258,3 +258,26 @@ def test_store_writes_only_admitted_victims_to_disk(tmp_path):
         assert st["demotion_skips"] >= 4 and st["hits_nvme"] == 1
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kind", [EvictionKind.LRU, EvictionKind.REUSE])
+def test_store_rewrites_a_promoted_value_read_again_only_under_reuse(tmp_path, kind):
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
+                          eviction=EvictionConfig(kind)))
+    try:
+        key = ("ns", b"hot")
+        s.put(key, b"h" * 4 * KB)
+        for i in range(4):  # push it out to NVMe
+            s.put(("ns", b"a%d" % i), b"a" * 4 * KB)
+        assert s.flush() and read(s, key) == b"h" * 4 * KB  # an NVMe hit, promoted
+        first = s.nvme.index[key]
+        for i in range(4):  # push it out again
+            s.put(("ns", b"b%d" % i), b"b" * 4 * KB)
+        assert s.flush()
+        assert key not in s.ram.index
+        again = s.nvme.index[key]
+        moved = (again.seg.seg_id, again.off) != (first.seg.seg_id, first.off)
+        assert moved is (kind is EvictionKind.REUSE)  # rewritten at the newest end, or left where it was
+        assert read(s, key) == b"h" * 4 * KB  # either way the disk copy is the value
+    finally:
+        s.close()

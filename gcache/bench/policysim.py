@@ -10,7 +10,7 @@ hits, ``put`` of the rest.
 
 Store semantics kept: ``exists`` and ``get`` hits are references; an NVMe hit on ``get`` is
 promoted into RAM as a reused entry and keeps its disk copy, so evicting it again writes
-nothing; a put drops any disk copy (an overwrite) and an existing RAM entry counts as a
+nothing unless the policy refreshes it (``refresh_on_disk``); a put drops any disk copy (an overwrite) and an existing RAM entry counts as a
 reference; a RAM victim is written to NVMe when the policy admits it. Not simulated: the
 demotion queue (writes are instant) and arena fragmentation (pages are equal).
 
@@ -85,11 +85,13 @@ class SimStore:
     def _make_room(self) -> None:
         while len(self.ram) >= self.ram_slots:
             victim = next(iter(self.policy.candidates()))
-            to_disk = self.disk_slots > 0 and not self.ram[victim] and self.policy.admit_to_disk(victim)
+            on_disk = self.ram[victim] and not self.policy.refresh_on_disk(victim)
+            to_disk = self.disk_slots > 0 and not on_disk and self.policy.admit_to_disk(victim)
             self.policy.remove(victim, evicted=True)
             del self.ram[victim]
             self.evictions += 1
             if to_disk:
+                self.disk.pop(victim, None)  # a rewrite moves the copy to the newest end
                 self.disk[victim] = None
                 self.demotions += 1
                 while len(self.disk) > self.disk_slots:
