@@ -1,6 +1,6 @@
 """Tiered store: RAM arena in front of NVMe segments.
 
-Puts land in RAM. RAM eviction (LRU) hands values to a bounded write-behind queue; one demoter
+Puts land in RAM. RAM eviction (gcache.tier.eviction) hands values to a bounded write-behind queue; one demoter
 thread writes them to NVMe and then frees their slots, so a put never waits on the disk unless
 the queue is full of in-flight demotions and nothing else can be evicted. Gets are served from
 whichever tier holds the key; an NVMe hit is promoted into RAM when there is room. A checksum
@@ -285,10 +285,10 @@ class Store:
     def _evict(self, key: Key, entry: RamEntry) -> None:
         policy, pooled = self.ram.policy, entry.group is not None
         worth_disk = pooled or policy.admit_to_disk(key)
-        stale_copy = entry.on_disk and not pooled and policy.refresh_on_disk(key)  # write it again
+        refresh = entry.on_disk and not pooled and policy.refresh_on_disk(key)  # its NVMe copy ages: rewrite
         self.ram.pop(key, evicted=True)
         self.counters["evictions"] += 1
-        if self.nvme is None or (entry.on_disk and not stale_copy) or self._closed:
+        if self.nvme is None or (entry.on_disk and not refresh) or self._closed:
             self.ram.release(entry)
         elif not worth_disk:
             self.counters["demotion_skips"] += 1
