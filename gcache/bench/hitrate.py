@@ -13,7 +13,9 @@ working set (distinct blocks x page size), so "1.0" means a cluster that could h
 if the hash ring were perfectly even.
 
 Beside every capacity the bench reports the trace maximum (infinite cache), a global LRU cache
-of the same number of pages, the offline optimum (gcache.bench.optimum) and each selected
+of the same number of pages, that LRU behind a perfect admission filter (it writes only blocks
+that will be used again: the bound of admission policies), the offline optimum
+(gcache.bench.optimum) and each selected
 eviction policy (``--policy``), through real daemons (``--engine daemon``: the replay below, a
 fresh cluster per point running ``gcache daemon --eviction POLICY``) and/or simulated
 (``--engine sim``: the same policy objects, gcache.bench.policysim; seconds per point). With
@@ -29,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from gcache.bench.optimum import belady, next_uses
+from gcache.bench.optimum import belady, lru_oracle_admission, next_uses
 from gcache.bench.policysim import SimConfig, global_lru, simulate
 from gcache.bench.records import HitRateRecord, write_json
 from gcache.bench.trace import (
@@ -206,11 +208,13 @@ def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
 
 
 def run_references(info: TraceInfo, cfg: ReplayConfig, nxt: list[int]) -> list[HitRateRecord]:
-    """Global LRU and the offline optimum at the point's whole capacity (RAM + NVMe)."""
+    """Global LRU, LRU behind a perfect admission filter and the offline optimum, at the point's
+    whole capacity (RAM + NVMe)."""
     ram_blocks = max(1, int(info.ws_blocks * cfg.capacity_fraction))
     disk_blocks = int(info.ws_blocks * cfg.disk_fraction) if cfg.nvme else 0
     total = ram_blocks + disk_blocks
     runs = (("global-lru", "sim", lambda: global_lru(info.requests, total)),
+            ("lru-oracle-admission", "offline", lambda: lru_oracle_admission(info.requests, total, nxt=nxt)),
             ("belady", "offline", lambda: belady(info.requests, total, nxt=nxt)))
     out = []
     for policy, engine, fn in runs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gcache.bench.records import HitRateRecord
 
-REFERENCES = ("global-lru", "belady")
+REFERENCES = ("global-lru", "lru-oracle-admission", "belady")
 
 
 def share(r: HitRateRecord) -> float:
@@ -25,7 +25,8 @@ def format_markdown(records: list[HitRateRecord]) -> str:
         recs = [r for r in records if (r.disk_bytes > 0) == nvme]
         cols = _columns(recs)
         by = {(share(r), r.policy, r.engine): r for r in recs}
-        head = ["RAM / working set", "RAM pages", "NVMe pages", "trace max", "global LRU", "Belady",
+        head = ["RAM / working set", "RAM pages", "NVMe pages", "trace max", "global LRU",
+                "LRU + perfect admission", "Belady",
                 *[f"{p} ({e})" for p, e in cols]]
         out.append("RAM + NVMe (global LRU and Belady at the RAM + NVMe capacity)" if nvme else "RAM only")
         out.append("")
@@ -36,7 +37,7 @@ def format_markdown(records: list[HitRateRecord]) -> str:
             slot = (any_r.page_bytes + 63) // 64 * 64  # a page in the arena
             pages, disk = any_r.capacity_bytes // slot, any_r.disk_bytes // slot
             cells = [f"{frac:g}", f"{pages:,}", f"{disk:,}" if disk else "-", f"{100 * any_r.trace_max_hit_rate:.2f}%"]
-            for p, e in (("global-lru", "sim"), ("belady", "offline"), *cols):
+            for p, e in (("global-lru", "sim"), ("lru-oracle-admission", "offline"), ("belady", "offline"), *cols):
                 r = by.get((frac, p, e))
                 cells.append(f"{100 * r.hit_rate:.2f}%" if r else "-")
             out.append("| " + " | ".join(cells) + " |")

@@ -61,3 +61,30 @@ def belady(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens:
             heap = [(-n, h) for h, n in cached.items()]
             heapq.heapify(heap)
     return acc
+
+
+def lru_oracle_admission(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int = BLOCK_TOKENS,
+                         nxt: list[int] | None = None) -> HitAccounting:
+    """An LRU cache that knows which blocks will be referenced again: it writes back only those,
+    and forgets a block at its last reference. The best any admission filter in front of LRU
+    can do (TinyLFU, S3-FIFO's small queue and ghost approximate this filter online)."""
+    from collections import OrderedDict
+
+    nxt = next_uses(requests) if nxt is None else nxt
+    cached: OrderedDict[int, None] = OrderedDict()
+    acc = HitAccounting()
+    t = 0
+    for req in requests:
+        acc.add(req, leading_hits([h in cached for h in req.hash_ids]), block_tokens)
+        for h in req.hash_ids:
+            again = nxt[t] != NEVER
+            t += 1
+            if not again:
+                cached.pop(h, None)
+            elif h in cached:
+                cached.move_to_end(h)
+            elif capacity_blocks > 0:
+                cached[h] = None
+                if len(cached) > capacity_blocks:
+                    cached.popitem(last=False)
+    return acc

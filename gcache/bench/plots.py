@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
 from gcache.bench.records import HitRateRecord, Record
 from gcache.sizes import format_size
@@ -80,6 +81,8 @@ def _style(policy: str, engine: str) -> dict:
         return {"color": "k", "linestyle": ":", "marker": "^"}
     if policy == "global-lru":
         return {"color": "0.5", "linestyle": "-.", "marker": "s"}
+    if policy == "lru-oracle-admission":
+        return {"color": "0.3", "linestyle": ":", "marker": "v"}
     return {"linestyle": "--" if engine == "sim" else "-", "marker": "o" if engine == "daemon" else "x"}
 
 
@@ -98,11 +101,14 @@ def plot_hitrate(records: list[HitRateRecord], out_dir: str) -> list[str]:
         recs = [r for r in records if (r.disk_bytes > 0) == disk]
         for policy, engine in dict.fromkeys((r.policy, r.engine) for r in recs):
             pts = sorted((share(r), r.hit_rate) for r in recs if (r.policy, r.engine) == (policy, engine))
-            name = {"belady": "offline optimum (Belady)", "global-lru": "global LRU"}.get(policy, f"{policy} ({engine})")
+            name = {"belady": "offline optimum (Belady)", "global-lru": "global LRU",
+                    "lru-oracle-admission": "LRU + perfect admission"}.get(policy, f"{policy} ({engine})")
             ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], label=name, linewidth=1.2,
                     **_style(policy, engine))
         ax.axhline(100 * records[0].trace_max_hit_rate, color="k", linestyle="--", linewidth=0.8, label="trace maximum")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[-1] in "25" else ""))
         ax.set_xlabel("cluster RAM / working set" + (" (NVMe tier beside it)" if disk else ""))
         ax.set_ylabel("token hit rate, %")
         ax.set_title(("RAM + NVMe" if disk else "RAM only") + f", {records[0].requests} requests")
@@ -117,7 +123,7 @@ def plot_hitrate(records: list[HitRateRecord], out_dir: str) -> list[str]:
     smallest = min(share(r) for r in pool) if pool else 0
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for r in pool:
-        if share(r) == smallest and r.policy != "belady":
+        if share(r) == smallest and r.engine != "offline":
             s = np.asarray(r.series)
             ax.plot(s[:, 0] / 60, 100 * s[:, 1], label=r.label, linewidth=1)
     ax.set_xlabel("trace time, minutes")

@@ -3,7 +3,7 @@ enough to check by hand."""
 
 import pytest
 
-from gcache.bench.optimum import NEVER, belady, next_uses
+from gcache.bench.optimum import NEVER, belady, lru_oracle_admission, next_uses
 from gcache.bench.policysim import SimConfig, global_lru, simulate
 from gcache.bench.trace import TraceRequest, scan_trace, trace_max
 from gcache.tier.eviction import EvictionConfig, EvictionKind
@@ -30,6 +30,14 @@ def test_belady_keeps_what_comes_back_and_lru_does_not():
     assert global_lru(ABA, 2).hit_tokens == 2 * B
     assert belady(ABA, 1).hit_tokens == 2 * B  # 1 slot: block 1 stays for every later request
     assert belady(ABA, 0).hit_tokens == 0
+
+
+def test_lru_with_perfect_admission():
+    # 1 slot: r0 writes 1 then 2 (both come back), LRU keeps 2; r1 misses, writes 1 again (it comes
+    # back) but not 3 (it never does); r2 hits 1. 2 slots: r0 keeps 1 and 2, r1 hits 1 and does
+    # not write 3, r2 hits 1 and 2.
+    assert lru_oracle_admission(ABA, 1).hit_tokens == 1 * B
+    assert lru_oracle_admission(ABA, 2).hit_tokens == 3 * B == belady(ABA, 2).hit_tokens
 
 
 def test_belady_counts_only_the_leading_run():

@@ -58,7 +58,8 @@ def test_hitrate_on_a_200_request_slice(tmp_path):
     doc = json.loads((tmp_path / "hitrate.json").read_text())
     assert validate(doc) == [] and doc["trace"]["requests"] == 200
     runs = {(r["policy"], r["engine"]) for r in doc["records"]}
-    assert runs == {("global-lru", "sim"), ("belady", "offline"), ("lru", "sim"), ("reuse", "sim"),
+    assert runs == {("global-lru", "sim"), ("lru-oracle-admission", "offline"), ("belady", "offline"),
+                    ("lru", "sim"), ("reuse", "sim"),
                     ("lru", "daemon"), ("reuse", "daemon")}
     daemon = [r for r in doc["records"] if r["engine"] == "daemon" and r["policy"] == "reuse"]
     recs = {(r["capacity_bytes"] > r["working_set_bytes"], r["disk_bytes"] > 0): r for r in daemon}
