@@ -65,9 +65,10 @@ def belady(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens:
 
 def lru_oracle_admission(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int = BLOCK_TOKENS,
                          nxt: list[int] | None = None) -> HitAccounting:
-    """An LRU cache that knows which blocks will be referenced again: it writes back only those,
-    and forgets a block at its last reference. The best any admission filter in front of LRU
-    can do (TinyLFU, S3-FIFO's small queue and ghost approximate this filter online)."""
+    """An LRU cache behind a perfect admission filter: a missing block is written back only if
+    it will be referenced again; everything else is plain LRU (a cached block stays until it is
+    the least recently used, even after its last use). The best any admission filter in front of
+    LRU can do; TinyLFU and S3-FIFO's small queue and ghost approximate such a filter online."""
     from collections import OrderedDict
 
     nxt = next_uses(requests) if nxt is None else nxt
@@ -79,11 +80,9 @@ def lru_oracle_admission(requests: Sequence[TraceRequest], capacity_blocks: int,
         for h in req.hash_ids:
             again = nxt[t] != NEVER
             t += 1
-            if not again:
-                cached.pop(h, None)
-            elif h in cached:
+            if h in cached:
                 cached.move_to_end(h)
-            elif capacity_blocks > 0:
+            elif again and capacity_blocks > 0:
                 cached[h] = None
                 if len(cached) > capacity_blocks:
                     cached.popitem(last=False)
