@@ -6,18 +6,20 @@ per operation and bounded in memory; the store's lock covers them.
 * ``reuse`` (the default): two LRU lists, *fresh* entries (never referenced since they were
   written) and *reused* ones (referenced again, or written again shortly after being evicted:
   a *ghost* list remembers the hashes of as many evicted keys as there are resident ones). The
-  victim is the older of the two list heads, where a reused entry's age counts ``reused_weight``
-  (0.5: it survives twice as long as a fresh one). While reused entries hold at most
-  ``protect`` of the resident entries, only fresh ones are evicted, so a scan of new keys of any
-  length cannot flush a small hot set.
-* ``s3fifo``: S3-FIFO (Yang et al., SOSP 2023): new entries enter a small FIFO (``small_fraction``
-  of the capacity); one referenced at least twice there moves to the main FIFO, the others are
-  evicted into a ghost list, and a key found in the ghost list enters main directly. Main is a
-  FIFO with 2-bit reference counts and reinsertion.
+  victim is the older of the two list heads, where a reused entry's age counts
+  ``reused_weight`` (0.65: it survives about 1.5 times as long as a fresh one). While reused
+  entries hold at most ``protect`` (30%) of the resident entries, only fresh ones are evicted,
+  so a scan of new keys of any length cannot flush a small hot set.
+* ``s3fifo``: S3-FIFO (Yang et al., SOSP 2023, as in libCacheSim): new entries enter a small
+  FIFO (``small_fraction`` of the capacity); one referenced there moves to the main FIFO when it
+  reaches the head, the others are evicted into a ghost list, and a key found in the ghost list
+  enters main directly. Main is a FIFO with 2-bit reference counts and reinsertion.
 
-Which one is best was decided by replaying the conversation trace (``gcache bench hitrate``,
-bench/RESULTS.md): ``reuse`` beats LRU at small capacities and is never more than 0.1 points
-below it; ``s3fifo``'s small FIFO forgets a conversation before its next turn arrives.
+Picked by replaying the conversation trace (``gcache bench hitrate``, bench/RESULTS.md):
+``reuse`` gains 0.6-1.8 points over a global LRU below 20% of the working set and is never
+more than 0.3 points below it at any capacity; ``s3fifo`` gains more below 3% but loses up to
+4.4 points from 5% on (its small FIFO forgets a conversation before its next turn arrives).
+Chain position is not used: ordering by it (deepest first among the oldest) measured no gain.
 
 Pooled entries (``--pool-budget``, gcache.tier.pools) keep their own prefix-aware order; a
 policy governs only the untagged entries.
