@@ -137,6 +137,10 @@ def replay(requests: list[TraceRequest], cache: PageCache, page_bytes: int, prog
     return acc
 
 
+SEGMENT_BYTES = 64 << 20  # the daemon's NVMe segment size (smaller budgets: a quarter of the budget)
+NVME_RECORD_OVERHEAD = 64  # record header, namespace and key beside the page, about
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     """One point: RAM as a fraction of the working set, with or without an NVMe tier of
@@ -197,11 +201,18 @@ def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> H
 
 
 def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
-    """The same point simulated with the policy objects (gcache.bench.policysim)."""
+    """The same point simulated with the policy objects (gcache.bench.policysim), the NVMe tier
+    sized and cut into segments as the daemons of run_one do it."""
     ram_blocks = max(nodes, int(info.ws_blocks * cfg.capacity_fraction))
-    disk_blocks = int(info.ws_blocks * cfg.disk_fraction) if cfg.nvme else 0
+    disk_blocks = segment_blocks = 0
+    if cfg.nvme:
+        per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes))
+        record = info.page_bytes + NVME_RECORD_OVERHEAD
+        segment = SEGMENT_BYTES if per_node >= SEGMENT_BYTES else max(per_node // 4, 4096)
+        disk_blocks, segment_blocks = nodes * (per_node // record), max(1, segment // record)
     t0 = time.perf_counter()
-    acc = simulate(info.requests, SimConfig(ram_blocks, disk_blocks, nodes, EvictionConfig(cfg.policy)))
+    acc = simulate(info.requests, SimConfig(ram_blocks, disk_blocks, nodes, EvictionConfig(cfg.policy),
+                                            segment_blocks=max(1, segment_blocks)))
     return _record(info, ram_blocks * info.slot_bytes, disk_blocks * info.slot_bytes, nodes, acc,
                    time.perf_counter() - t0, _label(ram_blocks * info.slot_bytes, cfg.nvme, cfg.policy.value, "sim"),
                    cfg.policy.value, "sim")

@@ -4,22 +4,24 @@ The same policy objects the daemon runs, driven the way a daemon drives them, ov
 instead of bytes: every page is one slot. A simulated cluster is ``nodes`` stores, each owning
 the keys the client's consistent-hash ring gives it; each store has a RAM tier of
 ``ram_blocks / nodes`` slots under the policy and, optionally, an NVMe tier of
-``disk_blocks / nodes`` slots reclaimed oldest-write first (the segment files, one block per
-record). The request flow is the replay's: ``exists`` on every block, ``get`` of the leading
-hits, ``put`` of the rest.
+``disk_blocks / nodes`` slots: an append-only log cut into segments of ``segment_blocks``
+records, the oldest segment reclaimed whole when a write would exceed the budget, as the
+daemon's segment files are. The request flow is the replay's: ``exists`` on every block,
+``get`` of the leading hits, ``put`` of the rest.
 
 Store semantics kept: ``exists`` and ``get`` hits are references; an NVMe hit on ``get`` is
 promoted into RAM as a reused entry and keeps its disk copy, so evicting it again writes
-nothing unless the policy refreshes it (``refresh_on_disk``); a put drops any disk copy (an overwrite) and an existing RAM entry counts as a
-reference; a RAM victim is written to NVMe when the policy admits it. Not simulated: the
-demotion queue (writes are instant) and arena fragmentation (pages are equal).
+nothing; a put makes any disk copy unreachable (its record keeps its space until its segment
+is reclaimed) and an existing RAM entry counts as a reference; a RAM victim is written to NVMe
+when the policy admits it. Not simulated: the demotion queue (writes are instant), tombstones
+(a few dozen bytes next to a page) and arena fragmentation (pages are equal).
 
 ``lru`` with ``nodes=1`` is the global LRU the issue compares against.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,40 +34,76 @@ from gcache.tier.eviction import EvictionConfig, EvictionKind, make_policy
 
 @dataclass(frozen=True)
 class SimConfig:
-    """ram_blocks / disk_blocks: slots over the whole cluster (disk 0: RAM only)."""
+    """ram_blocks / disk_blocks: slots over the whole cluster (disk 0: RAM only);
+    segment_blocks: records per NVMe segment (1: a block-granular FIFO)."""
 
     ram_blocks: int
     disk_blocks: int = 0
     nodes: int = 1
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     namespace: str = "hitrate"
+    segment_blocks: int = 1
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.ram_blocks < self.nodes or self.disk_blocks < 0:
-            raise ValueError(f"{self}: need nodes >= 1, ram_blocks >= nodes, disk_blocks >= 0")
+        if self.nodes < 1 or self.ram_blocks < self.nodes or self.disk_blocks < 0 or self.segment_blocks < 1:
+            raise ValueError(f"{self}: need nodes >= 1, ram_blocks >= nodes, disk_blocks >= 0, segment_blocks >= 1")
+
+
+class SimDisk:
+    """One daemon's NVMe log in slots: segments oldest first, reclaimed whole."""
+
+    def __init__(self, slots: int, segment_slots: int) -> None:
+        self.slots, self.segment_slots = slots, max(1, min(segment_slots, slots))
+        self.segments: deque[tuple[int, list[int]]] = deque()  # (segment id, blocks written)
+        self.where: dict[int, int] = {}  # block -> segment holding its current copy
+        self.used = 0
+        self._next = 0
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.where
+
+    def forget(self, block: int) -> None:
+        self.where.pop(block, None)
+
+    def append(self, block: int) -> None:
+        while self.used + 1 > self.slots and len(self.segments) > 1:
+            sid, blocks = self.segments.popleft()
+            for b in blocks:
+                if self.where.get(b) == sid:
+                    del self.where[b]
+            self.used -= len(blocks)
+        if self.used + 1 > self.slots:
+            return  # one segment fills the budget: the write fails, as on the daemon
+        if not self.segments or len(self.segments[-1][1]) >= self.segment_slots:
+            self.segments.append((self._next, []))
+            self._next += 1
+        sid, blocks = self.segments[-1]
+        blocks.append(block)
+        self.where[block] = sid
+        self.used += 1
 
 
 class SimStore:
     """One daemon's store in slots."""
 
-    def __init__(self, ram_slots: int, disk_slots: int, eviction: EvictionConfig) -> None:
-        self.ram_slots, self.disk_slots = ram_slots, disk_slots
+    def __init__(self, ram_slots: int, disk_slots: int, eviction: EvictionConfig, segment_slots: int = 1) -> None:
+        self.ram_slots = ram_slots
         self.policy = make_policy(eviction, ram_slots)
         self.ram: dict[int, bool] = {}  # block -> an identical copy is on disk
-        self.disk: OrderedDict[int, None] = OrderedDict()  # oldest write first
+        self.disk = SimDisk(disk_slots, segment_slots) if disk_slots > 0 else None
         self.evictions = self.demotions = 0
 
     def exists(self, key: int) -> bool:
         if key in self.ram:
             self.policy.hit(key)
             return True
-        return key in self.disk
+        return self.disk is not None and key in self.disk
 
     def get(self, key: int) -> bool:
         if key in self.ram:
             self.policy.hit(key)
             return True
-        if key not in self.disk:
+        if self.disk is None or key not in self.disk:
             return False
         self._make_room()
         self.ram[key] = True
@@ -73,35 +111,31 @@ class SimStore:
         return True
 
     def put(self, key: int) -> None:
-        self.disk.pop(key, None)
-        if key in self.ram:
-            self.ram[key] = False
-            self.policy.insert(key, 1)
-            return
-        self._make_room()
+        if self.disk is not None:
+            self.disk.forget(key)
+        if key not in self.ram:
+            self._make_room()
         self.ram[key] = False
         self.policy.insert(key, 1)
 
     def _make_room(self) -> None:
         while len(self.ram) >= self.ram_slots:
             victim = next(iter(self.policy.candidates()))
-            on_disk = self.ram[victim] and not self.policy.refresh_on_disk(victim)
-            to_disk = self.disk_slots > 0 and not on_disk and self.policy.admit_to_disk(victim)
+            to_disk = self.disk is not None and not self.ram[victim] and self.policy.admit_to_disk(victim)
             self.policy.remove(victim, evicted=True)
             del self.ram[victim]
             self.evictions += 1
             if to_disk:
-                self.disk.pop(victim, None)  # a rewrite moves the copy to the newest end
-                self.disk[victim] = None
+                assert self.disk is not None
+                self.disk.append(victim)
                 self.demotions += 1
-                while len(self.disk) > self.disk_slots:
-                    self.disk.popitem(last=False)
 
 
 def simulate(requests: Sequence[TraceRequest], cfg: SimConfig, block_tokens: int = BLOCK_TOKENS) -> HitAccounting:
     """Token hit accounting of the replay against a simulated cluster."""
     n = cfg.nodes
-    stores = [SimStore(cfg.ram_blocks // n, cfg.disk_blocks // n, cfg.eviction) for _ in range(n)]
+    stores = [SimStore(cfg.ram_blocks // n, cfg.disk_blocks // n, cfg.eviction, cfg.segment_blocks)
+              for _ in range(n)]
     owner: dict[int, SimStore] = {}
     if n > 1:
         ring = HashRing({f"node{i}": 1.0 for i in range(n)})

@@ -28,8 +28,11 @@ Interface: ``insert`` (a key became resident; an existing key is an overwrite an
 reference), ``hit``, ``remove`` (``evicted=True`` when the store evicted it), ``candidates``
 (keys in eviction order; a key yielded and not removed before the next one is asked for is in
 use and is treated as just referenced), and for the RAM -> NVMe -> drop path ``admit_to_disk``
-(is a victim worth writing at all) and ``refresh_on_disk`` (is a victim that already has an
-NVMe copy written again, so that the oldest-first reclaim of segments does not drop it).
+(is a victim worth writing at all; every policy writes all of them by default: dropping the
+never-reused ones measured worse, bench/RESULTS.md). A victim promoted from NVMe keeps its disk
+copy and is not written again: rewriting the ones read in RAM (so the oldest-first reclaim of
+segments keeps them) helped in a block-granular simulation but cost 1-2 points on real daemons
+with a small NVMe tier, where the stale copy holds its space until its segment goes.
 """
 
 from __future__ import annotations
@@ -139,13 +142,6 @@ class EvictionPolicy(ABC):
         """Whether the victim ``key`` (still resident) is worth writing to the NVMe tier."""
         return self.config.disk is DiskAdmission.ALL or self.reused(key)
 
-    def refresh_on_disk(self, key: Hashable) -> bool:
-        """Whether the victim ``key``, which already has a copy on NVMe (it was promoted from
-        there), is written again: the NVMe tier reclaims its oldest segments first, so a value
-        still being read would otherwise age out with the segment it was first written to.
-        LRU keeps the old behaviour (never); the others rewrite what was referenced in RAM."""
-        return False
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(keys={len(self)})"
 
@@ -254,9 +250,6 @@ class ReusePolicy(EvictionPolicy):
     def reused(self, key: Hashable) -> bool:
         return key in self._reused
 
-    def refresh_on_disk(self, key: Hashable) -> bool:
-        return key in self._reused
-
     def _pick(self) -> OrderedDict[Hashable, int]:
         fresh, reused = self._fresh, self._reused
         if not reused:
@@ -343,9 +336,6 @@ class S3FifoPolicy(EvictionPolicy):
 
     def reused(self, key: Hashable) -> bool:
         return key in self._main or self._small.get(key, 0) > 0
-
-    def refresh_on_disk(self, key: Hashable) -> bool:
-        return self.reused(key)
 
     def _main_victim(self) -> Hashable:
         """Reinsert referenced heads of main (one reference less each) until an unreferenced

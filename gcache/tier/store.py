@@ -283,12 +283,10 @@ class Store:
         return None
 
     def _evict(self, key: Key, entry: RamEntry) -> None:
-        policy, pooled = self.ram.policy, entry.group is not None
-        worth_disk = pooled or policy.admit_to_disk(key)
-        refresh = entry.on_disk and not pooled and policy.refresh_on_disk(key)  # its NVMe copy ages: rewrite
+        worth_disk = entry.group is not None or self.ram.policy.admit_to_disk(key)
         self.ram.pop(key, evicted=True)
         self.counters["evictions"] += 1
-        if self.nvme is None or (entry.on_disk and not refresh) or self._closed:
+        if self.nvme is None or entry.on_disk or self._closed:
             self.ram.release(entry)
         elif not worth_disk:
             self.counters["demotion_skips"] += 1

@@ -75,3 +75,16 @@ def test_hot_set_survives_a_scan_in_simulation(nodes):
     assert rate[EvictionKind.LRU] < 0.3  # only the warm-up repeats hit
     assert rate[EvictionKind.REUSE] > 0.95
     assert rate[EvictionKind.S3FIFO] > 0.95
+
+
+def test_simulated_nvme_log_reclaims_whole_segments_and_stale_records_hold_space():
+    from gcache.bench.policysim import SimDisk
+
+    d = SimDisk(slots=4, segment_slots=2)
+    for b in (1, 2, 3):
+        d.append(b)
+    d.forget(1)  # overwritten: unreachable, but its record still takes a slot
+    d.append(4)  # 4 slots used: fits
+    assert [b in d for b in (1, 2, 3, 4)] == [False, True, True, True]
+    d.append(5)  # over budget: the oldest segment (1, 2) goes whole, 2 with it
+    assert [b in d for b in (2, 3, 4, 5)] == [False, True, True, True] and d.used == 3
