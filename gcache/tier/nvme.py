@@ -56,7 +56,7 @@ class Segment:
 
 
 class Location:
-    __slots__ = ("checksum", "expires", "off", "seg", "size")
+    __slots__ = ("seg", "off", "size", "checksum", "expires")
 
     def __init__(self, seg: Segment, off: int, size: int, checksum: int, expires: float) -> None:
         self.seg, self.off, self.size, self.checksum, self.expires = seg, off, size, checksum, expires
