@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from gcache.tier.eviction import EvictionKind
+
 
 def _throughput_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--nodes", default="3",
@@ -44,11 +46,19 @@ def _hitrate_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("--nodes", type=int, default=3, help="local daemons (default %(default)s)")
     h.add_argument("--page-bytes", default="4KiB",
                    help="bytes of one 512-token block's page, scaled down from the model (default %(default)s)")
-    h.add_argument("--capacities", default="0.25,0.5,1.0,1.25",
+    h.add_argument("--capacities", default="0.05,0.1,0.25,0.5,1.0",
                    help="cluster RAM as fractions of the trace's working set (default %(default)s)")
     h.add_argument("--tiers", default="ram,nvme",
-                   help="'ram' (RAM only) and/or 'nvme' (RAM + an NVMe tier of 1.25x the working set; with both, "
+                   help="'ram' (RAM only) and/or 'nvme' (RAM + an NVMe tier of --disk-capacity; with both, "
                         "nvme only below capacity 1.0) (default %(default)s)")
+    h.add_argument("--disk-capacity", type=float, default=1.25,
+                   help="the NVMe tier as a fraction of the working set (default %(default)s)")
+    h.add_argument("--policy", default=",".join(k.value for k in EvictionKind),
+                   help="eviction policies to compare, comma-separated (default %(default)s); each is run beside "
+                        "the trace maximum, a global LRU cache and the offline optimum (Belady)")
+    h.add_argument("--engine", default="sim,daemon",
+                   help="'sim' (the policy objects simulated, seconds a point) and/or 'daemon' (a real local "
+                        "cluster per point and policy) (default %(default)s)")
     h.add_argument("--quick", action="store_true", help="2,000 requests, capacities 0.5,1.25, RAM only")
     h.add_argument("--out", default="bench/results", metavar="DIR",
                    help="directory for hitrate.json/.md and plots (default %(default)s)")

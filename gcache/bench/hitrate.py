@@ -1,4 +1,5 @@
-"""``gcache bench hitrate``: replay a prefix trace through the client against a real cluster.
+"""``gcache bench hitrate``: replay a prefix trace through the client against a real cluster, and
+simulate the eviction policies on it beside the offline optimum.
 
 Each request checks its pages (``exists``), reads the leading run of hits into buffers
 (``get_into``; a page evicted between the two calls shortens the prefix, as it would for an
@@ -10,6 +11,15 @@ is tens of MiB; here it is ``page_bytes`` (4 KiB by default), keeping the ratio 
 capacity, and so the hit rate, unchanged. Capacities are given as fractions of the trace's
 working set (distinct blocks x page size), so "1.0" means a cluster that could hold every page
 if the hash ring were perfectly even.
+
+Beside every capacity the bench reports the trace maximum (infinite cache), a global LRU cache
+of the same number of pages, that LRU behind a perfect admission filter (it writes only blocks
+that will be used again: the bound of admission policies), the offline optimum
+(gcache.bench.optimum) and each selected
+eviction policy (``--policy``), through real daemons (``--engine daemon``: the replay below, a
+fresh cluster per point running ``gcache daemon --eviction POLICY``) and/or simulated
+(``--engine sim``: the same policy objects, gcache.bench.policysim; seconds per point). With
+the NVMe tier the references are computed at the RAM + NVMe capacity.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from gcache.bench.optimum import belady, lru_oracle_admission, next_uses
+from gcache.bench.policysim import SimConfig, global_lru, simulate
 from gcache.bench.records import HitRateRecord, write_json
 from gcache.bench.trace import (
     BLOCK_TOKENS,
@@ -32,6 +44,7 @@ from gcache.bench.trace import (
     working_set_blocks,
 )
 from gcache.sizes import format_size, parse_size
+from gcache.tier.eviction import EvictionConfig, EvictionKind
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
                              "conversation_trace.jsonl")
@@ -124,87 +137,164 @@ def replay(requests: list[TraceRequest], cache: PageCache, page_bytes: int, prog
     return acc
 
 
+SEGMENT_BYTES = 64 << 20  # the daemon's NVMe segment size (smaller budgets: a quarter of the budget)
+NVME_RECORD_OVERHEAD = 64  # record header, namespace and key beside the page, about
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
+    """One point: RAM as a fraction of the working set, with or without an NVMe tier of
+    ``disk_fraction`` of the working set, under eviction policy ``policy``."""
+
     capacity_fraction: float
     nvme: bool
+    disk_fraction: float = 1.25
+    policy: EvictionKind = EvictionKind.REUSE
 
 
-def run_one(requests: list[TraceRequest], cfg: ReplayConfig, nodes: int, page_bytes: int, ws_bytes: int,
-            max_rate: float, progress: bool) -> HitRateRecord:
+@dataclass(frozen=True)
+class TraceInfo:
+    requests: list[TraceRequest]
+    ws_blocks: int
+    slot_bytes: int  # one page in the arena (64-byte aligned)
+    page_bytes: int
+    max_rate: float
+
+    @property
+    def ws_bytes(self) -> int:
+        return self.ws_blocks * self.slot_bytes
+
+
+def _record(info: TraceInfo, ram_bytes: int, disk_bytes: int, nodes: int, acc: HitAccounting, elapsed: float,
+            label: str, policy: str, engine: str) -> HitRateRecord:
+    return HitRateRecord(ram_bytes, disk_bytes, nodes, info.page_bytes, acc.requests, acc.input_tokens,
+                         acc.hit_tokens, acc.hit_rate, info.max_rate,
+                         acc.hit_rate / info.max_rate if info.max_rate else 0.0, elapsed, acc.series(), label,
+                         info.ws_bytes, policy, engine)
+
+
+def _label(ram_bytes: int, nvme: bool, policy: str, engine: str) -> str:
+    return f"{policy} ({engine}) RAM {format_size(ram_bytes)}" + (" + NVMe" if nvme else "")
+
+
+def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> HitRateRecord:
     """One replay on a fresh local cluster sized by ``cfg``."""
     from gcache.cluster import LocalCluster
 
-    per_node = max(64 << 10, int(ws_bytes * cfg.capacity_fraction / nodes))
-    disk_per_node = max(1 << 20, int(ws_bytes * 1.25 / nodes)) if cfg.nvme else 0
-    label = f"RAM {format_size(per_node * nodes)}" + (" + NVMe" if cfg.nvme else "")
-    cluster = LocalCluster(nodes=nodes, mem=str(per_node), disk=str(disk_per_node) if cfg.nvme else None)
+    per_node = max(64 << 10, int(info.ws_bytes * cfg.capacity_fraction / nodes))
+    disk_per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes)) if cfg.nvme else 0
+    label = _label(per_node * nodes, cfg.nvme, cfg.policy.value, "daemon")
+    cluster = LocalCluster(nodes=nodes, mem=str(per_node), disk=str(disk_per_node) if cfg.nvme else None,
+                           extra_args=["--eviction", cfg.policy.value])
     cluster.start()
     t0 = time.perf_counter()
     try:
         cache = GcachePages(cluster.addresses)
         try:
-            acc = replay(requests, cache, page_bytes, progress, desc=f"replay {label}")
+            acc = replay(info.requests, cache, info.page_bytes, progress, desc=f"replay {label}")
         finally:
             cache.close()
     finally:
         cluster.stop()
-    return HitRateRecord(per_node * nodes, disk_per_node * nodes, nodes, page_bytes, acc.requests,
-                         acc.input_tokens, acc.hit_tokens, acc.hit_rate, max_rate,
-                         acc.hit_rate / max_rate if max_rate else 0.0, time.perf_counter() - t0,
-                         acc.series(), label, ws_bytes)
+    return _record(info, per_node * nodes, disk_per_node * nodes, nodes, acc, time.perf_counter() - t0, label,
+                   cfg.policy.value, "daemon")
 
 
-def format_markdown(records: list[HitRateRecord]) -> str:
-    lines = ["| cluster RAM | NVMe | capacity / working set | token hit rate | trace max | of max | seconds |",
-             "|---|---|---|---|---|---|---|"]
-    for r in records:
-        ws = r.capacity_bytes / r.working_set_bytes if r.working_set_bytes else 0.0
-        lines.append(f"| {format_size(r.capacity_bytes)} | {format_size(r.disk_bytes) if r.disk_bytes else '-'} "
-                     f"| {ws:.2f} | {100 * r.hit_rate:.2f}% | {100 * r.trace_max_hit_rate:.2f}% "
-                     f"| {100 * r.ratio_to_max:.1f}% | {r.elapsed_s:.0f} |")
-    return "\n".join(lines) + "\n"
+def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
+    """The same point simulated with the policy objects (gcache.bench.policysim), the NVMe tier
+    sized and cut into segments as the daemons of run_one do it."""
+    ram_blocks = max(nodes, int(info.ws_blocks * cfg.capacity_fraction))
+    disk_blocks = segment_blocks = 0
+    if cfg.nvme:
+        per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes))
+        record = info.page_bytes + NVME_RECORD_OVERHEAD
+        segment = SEGMENT_BYTES if per_node >= SEGMENT_BYTES else max(per_node // 4, 4096)
+        disk_blocks, segment_blocks = nodes * (per_node // record), max(1, segment // record)
+    t0 = time.perf_counter()
+    acc = simulate(info.requests, SimConfig(ram_blocks, disk_blocks, nodes, EvictionConfig(cfg.policy),
+                                            segment_blocks=max(1, segment_blocks)))
+    return _record(info, ram_blocks * info.slot_bytes, disk_blocks * info.slot_bytes, nodes, acc,
+                   time.perf_counter() - t0, _label(ram_blocks * info.slot_bytes, cfg.nvme, cfg.policy.value, "sim"),
+                   cfg.policy.value, "sim")
+
+
+def run_references(info: TraceInfo, cfg: ReplayConfig, nxt: list[int]) -> list[HitRateRecord]:
+    """Global LRU, LRU behind a perfect admission filter and the offline optimum, at the point's
+    whole capacity (RAM + NVMe)."""
+    ram_blocks = max(1, int(info.ws_blocks * cfg.capacity_fraction))
+    disk_blocks = int(info.ws_blocks * cfg.disk_fraction) if cfg.nvme else 0
+    total = ram_blocks + disk_blocks
+    runs = (("global-lru", "sim", lambda: global_lru(info.requests, total)),
+            ("lru-oracle-admission", "offline", lambda: lru_oracle_admission(info.requests, total, nxt=nxt)),
+            ("belady", "offline", lambda: belady(info.requests, total, nxt=nxt)))
+    out = []
+    for policy, engine, fn in runs:
+        t0 = time.perf_counter()
+        acc = fn()
+        out.append(_record(info, ram_blocks * info.slot_bytes, disk_blocks * info.slot_bytes, 1, acc,
+                           time.perf_counter() - t0, _label(ram_blocks * info.slot_bytes, cfg.nvme, policy, engine),
+                           policy, engine))
+    return out
+
+
+def _parse_list(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"gcache bench hitrate: {what} takes {','.join(allowed)}; got {text!r}")
+    return list(dict.fromkeys(items))
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from gcache.bench.hitrate_report import format_markdown, summary_lines
+
     trace = args.trace or os.path.normpath(DEFAULT_TRACE)
     limit = args.limit or (2000 if args.quick else 0)
     fractions = [0.5, 1.25] if args.quick else [float(x) for x in args.capacities.split(",") if x]
-    tiers = ["ram"] if args.quick else [t for t in args.tiers.split(",") if t]
-    if any(t not in ("ram", "nvme") for t in tiers) or not fractions or min(fractions) <= 0:
-        raise SystemExit("gcache bench hitrate: --tiers takes ram,nvme; --capacities positive fractions")
+    tiers = ["ram"] if args.quick else _parse_list(args.tiers, "--tiers", ("ram", "nvme"))
+    policies = [EvictionKind(p) for p in _parse_list(args.policy, "--policy", tuple(k.value for k in EvictionKind))]
+    engines = _parse_list(args.engine, "--engine", ("sim", "daemon"))
+    if not fractions or min(fractions) <= 0 or not args.disk_capacity > 0:
+        raise SystemExit("gcache bench hitrate: --capacities and --disk-capacity take positive fractions")
     page_bytes = parse_size(args.page_bytes)
     requests = load_trace(trace, limit)
     best = trace_max(requests)
-    ws_blocks = working_set_blocks(requests)
-    ws_bytes = ws_blocks * ((page_bytes + 63) // 64 * 64)
+    info = TraceInfo(requests, working_set_blocks(requests), (page_bytes + 63) // 64 * 64, page_bytes, best.hit_rate)
     geo = ModelGeometry()
-    print(f"trace {trace}: {len(requests)} requests, {best.input_tokens} input tokens, {ws_blocks} distinct "
-          f"blocks; working set {format_size(ws_bytes)} at {format_size(page_bytes)} a page "
+    print(f"trace {trace}: {len(requests)} requests, {best.input_tokens} input tokens, {info.ws_blocks} distinct "
+          f"blocks; working set {format_size(info.ws_bytes)} at {format_size(page_bytes)} a page "
           f"({geo.name} page of {format_size(geo.page_bytes)} scaled 1/{geo.page_bytes // page_bytes}); "
           f"trace maximum hit rate {100 * best.hit_rate:.2f}%")
     records: list[HitRateRecord] = []
     json_path = args.json or os.path.join(args.out, "hitrate.json")
     out_dir = os.path.dirname(os.path.abspath(json_path)) if args.json else args.out
+    nxt = next_uses(requests)
     for tier in tiers:
         for frac in fractions:
             if tier == "nvme" and frac >= 1.0 and "ram" in tiers:
                 continue  # RAM alone holds the working set: an NVMe tier would never be read
-            rec = run_one(requests, ReplayConfig(frac, tier == "nvme"), args.nodes, page_bytes, ws_bytes,
-                          best.hit_rate, not args.no_progress)
-            print(f"{rec.label:<24} capacity {frac:.2f} x working set: hit rate {100 * rec.hit_rate:6.2f}% "
-                  f"({100 * rec.ratio_to_max:5.1f}% of max) in {rec.elapsed_s:.0f} s", flush=True)
-            records.append(rec)
-            # rewritten after every replay, so a long run that is stopped keeps what it measured
+            point = ReplayConfig(frac, tier == "nvme", args.disk_capacity)
+            start = len(records)
+            records += run_references(info, point, nxt)
+            for engine in engines:
+                for policy in policies:
+                    cfg = ReplayConfig(frac, tier == "nvme", args.disk_capacity, policy)
+                    rec = run_sim(info, cfg, args.nodes) if engine == "sim" else run_one(
+                        info, cfg, args.nodes, not args.no_progress)
+                    records.append(rec)
+            for line in summary_lines(records[start:], frac, tier == "nvme"):
+                print(line, flush=True)
+            # rewritten after every point, so a long run that is stopped keeps what it measured
             write_json(json_path, "hitrate", [asdict(r) for r in records],
                        trace={"path": trace, "requests": len(requests), "input_tokens": best.input_tokens,
-                              "distinct_blocks": ws_blocks, "working_set_bytes": ws_bytes,
+                              "distinct_blocks": info.ws_blocks, "working_set_bytes": info.ws_bytes,
                               "trace_max_hit_rate": best.hit_rate, "trace_max_series": best.series()},
                        geometry=asdict(geo) | {"page_bytes_scaled": page_bytes})
     md = os.path.join(out_dir, "hitrate.md")
+    table = format_markdown(records)
     with open(md, "w") as f:
-        f.write(format_markdown(records))
-    print(format_markdown(records))
+        f.write(table)
+    print(table)
     print(f"wrote {json_path}, {md}")
     if not args.no_plots:
         from gcache.bench.plots import plot_hitrate

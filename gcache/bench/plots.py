@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
 from gcache.bench.records import HitRateRecord, Record
 from gcache.sizes import format_size
@@ -75,36 +76,59 @@ def plot_throughput(records: list[Record], out_dir: str) -> list[str]:
     return [p1, p2]
 
 
+def _style(policy: str, engine: str) -> dict:
+    if policy == "belady":
+        return {"color": "k", "linestyle": ":", "marker": "^"}
+    if policy == "global-lru":
+        return {"color": "0.5", "linestyle": "-.", "marker": "s"}
+    if policy == "lru-oracle-admission":
+        return {"color": "0.3", "linestyle": ":", "marker": "v"}
+    return {"linestyle": "--" if engine == "sim" else "-", "marker": "o" if engine == "daemon" else "x"}
+
+
 def plot_hitrate(records: list[HitRateRecord], out_dir: str) -> list[str]:
-    """hitrate_vs_capacity.png (one line per tier set, the trace maximum dashed) and
-    hitrate_over_time.png (windowed hit rate of each replay)."""
+    """hitrate_vs_capacity.png (a panel per tier set: every policy and engine beside global LRU,
+    the offline optimum and the trace maximum, dashed) and hitrate_over_time.png (windowed hit
+    rate at the smallest RAM-only capacity, or the smallest one measured)."""
     if not records:
         return []
+    from gcache.bench.hitrate_report import share
+
     os.makedirs(out_dir, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for disk in sorted({r.disk_bytes > 0 for r in records}):
-        pts = sorted((r.capacity_bytes, r.hit_rate) for r in records if (r.disk_bytes > 0) == disk)
-        ax.plot([p[0] / 2**20 for p in pts], [100 * p[1] for p in pts], marker="o",
-                label="RAM + NVMe tier" if disk else "RAM only")
-    ax.axhline(100 * records[0].trace_max_hit_rate, color="k", linestyle="--", label="trace maximum")
-    ax.set_xlabel("cluster RAM capacity, MiB")
-    ax.set_ylabel("token hit rate, %")
-    ax.set_title(f"hit rate vs capacity ({records[0].requests} requests)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    tiers = sorted({r.disk_bytes > 0 for r in records})
+    fig, axes = plt.subplots(1, len(tiers), figsize=(6.5 * len(tiers), 4.6), squeeze=False)
+    for ax, disk in zip(axes[0], tiers):
+        recs = [r for r in records if (r.disk_bytes > 0) == disk]
+        for policy, engine in dict.fromkeys((r.policy, r.engine) for r in recs):
+            pts = sorted((share(r), r.hit_rate) for r in recs if (r.policy, r.engine) == (policy, engine))
+            name = {"belady": "offline optimum (Belady)", "global-lru": "global LRU",
+                    "lru-oracle-admission": "LRU + perfect admission"}.get(policy, f"{policy} ({engine})")
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], label=name, linewidth=1.2,
+                    **_style(policy, engine))
+        ax.axhline(100 * records[0].trace_max_hit_rate, color="k", linestyle="--", linewidth=0.8, label="trace maximum")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[-1] in "25" else ""))
+        ax.set_xlabel("cluster RAM / working set" + (" (NVMe tier beside it)" if disk else ""))
+        ax.set_ylabel("token hit rate, %")
+        ax.set_title(("RAM + NVMe" if disk else "RAM only") + f", {records[0].requests} requests")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     p1 = os.path.join(out_dir, "hitrate_vs_capacity.png")
     fig.savefig(p1, dpi=110)
     plt.close(fig)
 
+    pool = [r for r in records if r.disk_bytes == 0 and r.series] or [r for r in records if r.series]
+    smallest = min(share(r) for r in pool) if pool else 0
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for r in records:
-        if r.series:
+    for r in pool:
+        if share(r) == smallest and r.engine != "offline":
             s = np.asarray(r.series)
             ax.plot(s[:, 0] / 60, 100 * s[:, 1], label=r.label, linewidth=1)
     ax.set_xlabel("trace time, minutes")
     ax.set_ylabel("token hit rate in window, %")
-    ax.set_title("hit rate over time")
+    ax.set_title(f"hit rate over time at {smallest:g} x the working set")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -61,7 +61,10 @@ class Record:
 class HitRateRecord:
     """One replay of a trace at one cluster capacity (RAM bytes over all nodes; ``disk_bytes``
     is the NVMe budget over all nodes, 0 without the tier). ``series`` is a list of
-    [seconds into the trace, hit rate of that window]."""
+    [seconds into the trace, hit rate of that window]. ``engine``: ``daemon`` (real daemons),
+    ``sim`` (the policy objects simulated, gcache.bench.policysim) or ``offline`` (the offline
+    optimum); ``policy``: the eviction policy (``global-lru``: one LRU cache of the whole
+    capacity; ``belady``: the optimum)."""
 
     capacity_bytes: int
     disk_bytes: int
@@ -77,6 +80,8 @@ class HitRateRecord:
     series: list[list[float]] = field(default_factory=list)
     label: str = ""
     working_set_bytes: int = 0
+    policy: str = "lru"
+    engine: str = "daemon"
 
 
 def from_latencies(system: str, op: str, value_bytes: int, batch: int, threads: int, elapsed_s: float,

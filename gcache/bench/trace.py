@@ -117,3 +117,24 @@ def trace_max(requests: Iterable[TraceRequest], block_tokens: int = BLOCK_TOKENS
 def working_set_blocks(requests: Iterable[TraceRequest]) -> int:
     """Distinct blocks in the trace: the pages a cache needs to never forget anything."""
     return len({h for r in requests for h in r.hash_ids})
+
+
+def scan_trace(capacity_blocks: int, hot_blocks: int = 8, warm: int = 3, scan_factor: int = 10,
+               every_factor: float = 2.0, chain: int = 8, block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
+    """An adversarial trace for a cache of ``capacity_blocks``: a hot chain of ``hot_blocks``
+    requested ``warm`` times, then a scan of ``scan_factor`` x the capacity in new blocks
+    (chains of ``chain``), with the hot chain requested again after every ``every_factor`` x the
+    capacity of scanned blocks: too far apart for LRU to keep it. Only the hot chain can ever hit,
+    so the hit rate over the trace maximum is the share of hot requests served from cache."""
+    hot = tuple(range(hot_blocks))
+    reqs = [TraceRequest(i, hot_blocks * block_tokens, 0, hot) for i in range(warm)]
+    every = max(1, int(every_factor * capacity_blocks))
+    nxt, since = hot_blocks, 0
+    while nxt - hot_blocks < scan_factor * capacity_blocks:
+        reqs.append(TraceRequest(len(reqs), chain * block_tokens, 0, tuple(range(nxt, nxt + chain))))
+        nxt += chain
+        since += chain
+        if since >= every:
+            reqs.append(TraceRequest(len(reqs), hot_blocks * block_tokens, 0, hot))
+            since = 0
+    return reqs

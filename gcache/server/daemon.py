@@ -16,6 +16,7 @@ from gcache.server.agent import Agent
 from gcache.server.local import LocalServer
 from gcache.server.server import DataServer
 from gcache.sizes import parse_size
+from gcache.tier.eviction import EvictionConfig, EvictionKind
 from gcache.tier.pools import PoolBudget
 from gcache.tier.store import Store, StoreConfig
 
@@ -33,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")
+    p.add_argument("--eviction", default=EvictionKind.REUSE.value, choices=[k.value for k in EvictionKind],
+                   help="eviction policy of untagged RAM entries: reuse (two LRU lists; entries read again age "
+                        "slower and keep a protected share, so a scan cannot flush them), lru, or s3fifo "
+                        "(default %(default)s)")
     p.add_argument("--no-pretouch", action="store_true",
                    help="do not pre-fault the arena at start-up (faster start, slower first writes)")
     p.add_argument("--ready-file", default=None,
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             max_value_bytes=parse_size(args.max_value),
             pretouch=not args.no_pretouch,
             pool_budgets=tuple(PoolBudget.parse(spec, parse_size(args.mem)) for spec in args.pool_budget),
+            eviction=EvictionConfig.parse(args.eviction),
         )
         token = load_token(args.token_file)
         admission = AdmissionConfig(

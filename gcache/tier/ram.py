@@ -1,4 +1,5 @@
-"""RAM tier: arena slots, the key index and LRU order. No locking: the store's lock covers it."""
+"""RAM tier: arena slots, the key index (most recently used last) and the eviction policy of the
+untagged entries (gcache.tier.eviction). No locking: the store's lock covers it."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import TYPE_CHECKING
 
 from gcache.tier.allocator import ExtentAllocator
 from gcache.tier.arena import Arena
+from gcache.tier.eviction import EvictionConfig, make_policy
 
 if TYPE_CHECKING:
     from gcache.tier.pools import PoolGroup
 
 Key = tuple[str, bytes]  # (namespace, key)
-VICTIM_BATCH = 64
 
 
 class RamEntry:
@@ -48,9 +49,11 @@ class RamEntry:
 
 
 class RamTier:
-    def __init__(self, arena: Arena, recency_bucket_s: float = 1.0) -> None:
+    def __init__(self, arena: Arena, recency_bucket_s: float = 1.0,
+                 eviction: EvictionConfig | None = None) -> None:
         self.arena = arena
         self.alloc = ExtentAllocator(arena.size)
+        self.policy = make_policy(eviction or EvictionConfig(), self.alloc.capacity)  # untagged entries
         self.index: OrderedDict[Key, RamEntry] = OrderedDict()
         self.value_bytes = 0  # sum of value sizes indexed (allocated bytes: alloc.used)
         self.recency_bucket_s = recency_bucket_s
@@ -75,20 +78,26 @@ class RamTier:
         self.index.move_to_end(key)
         if e.group is not None:
             e.group.touch(key, e, self.bucket(now))
+        else:
+            self.policy.hit(key)
         return e
 
-    def insert(self, key: Key, entry: RamEntry) -> RamEntry | None:
-        """Index ``entry`` as most recent; returns the entry it replaced (caller releases it)."""
-        old = self.pop(key)
+    def insert(self, key: Key, entry: RamEntry, reused: bool = False) -> RamEntry | None:
+        """Index ``entry`` as most recent; returns the entry it replaced (caller releases it).
+        ``reused``: the value was just read (an NVMe hit promoted to RAM). An untagged value
+        that overwrites an untagged one keeps the key's standing with the policy (a reference)."""
+        old = self.pop(key, keep_policy=entry.group is None)
         self.index[key] = entry
         self.value_bytes += entry.size
         if entry.group is not None:
             entry.group.add(key, entry, self.bucket())
         else:
             self.untagged += 1
+            self.policy.insert(key, entry.size, reused)
         return old
 
-    def pop(self, key: Key) -> RamEntry | None:
+    def pop(self, key: Key, evicted: bool = False, keep_policy: bool = False) -> RamEntry | None:
+        """Unindex ``key``; ``evicted``: the store evicts it (the policy may remember that)."""
         e = self.index.pop(key, None)
         if e is not None:
             self.value_bytes -= e.size
@@ -96,28 +105,18 @@ class RamTier:
                 e.group.remove(key, e)
             else:
                 self.untagged -= 1
+                if not keep_policy:
+                    self.policy.remove(key, evicted)
         return e
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
-        """Unpinned untagged entries, least recently used first; the caller may evict each one
-        yielded. Pooled entries are evicted only through their PoolGroup.
-
-        Candidates are taken from the LRU head in small batches, not by copying the whole
-        index: a put into a full arena then costs O(evicted), not O(keys stored)."""
-        while self.untagged:
-            batch = []
-            for key, e in self.index.items():
-                if e.pins == 0 and e.group is None:
-                    batch.append((key, e))
-                    if len(batch) == VICTIM_BATCH:
-                        break
-            if not batch:
-                return
-            for key, e in batch:
-                if self.index.get(key) is e:
-                    yield key, e
-            if all(self.index.get(key) is e for key, e in batch):
-                return  # the caller evicted none of them: do not offer them again
+        """Unpinned untagged entries in the policy's eviction order; the caller may evict each
+        one yielded (``pop(key, evicted=True)``). Pooled entries are evicted only through their
+        PoolGroup. A put into a full arena costs O(evicted), not O(keys stored)."""
+        for key in self.policy.candidates():
+            e = self.index.get(key)  # type: ignore[call-overload]
+            if e is not None and e.pins == 0 and e.group is None:
+                yield key, e  # type: ignore[misc]
 
     def release(self, entry: RamEntry | None) -> None:
         """Free the entry's slot now, or when its last reader unpins it."""

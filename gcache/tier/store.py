@@ -1,6 +1,6 @@
 """Tiered store: RAM arena in front of NVMe segments.
 
-Puts land in RAM. RAM eviction (LRU) hands values to a bounded write-behind queue; one demoter
+Puts land in RAM. RAM eviction (gcache.tier.eviction) hands values to a bounded write-behind queue; one demoter
 thread writes them to NVMe and then frees their slots, so a put never waits on the disk unless
 the queue is full of in-flight demotions and nothing else can be evicted. Gets are served from
 whichever tier holds the key; an NVMe hit is promoted into RAM when there is room. A checksum
@@ -26,11 +26,12 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
 from gcache.protocol import Status
 from gcache.tier.arena import Arena
+from gcache.tier.eviction import EvictionConfig
 from gcache.tier.nvme import Location, NvmeTier
 from gcache.tier.pools import GroupId, PoolBudget, PoolBudgets, PoolGroup
 from gcache.tier.ram import Key, RamEntry, RamTier
@@ -49,6 +50,7 @@ class StoreConfig:
     in-flight demotions to free room before answering FULL. promote_on_hit: copy NVMe hits to RAM.
     pool_budgets: RAM byte budgets of tagged pools (gcache.tier.pools); recency_bucket_s: width
     of the recency buckets that order pooled entries (within one, later chain positions go first).
+    eviction: the policy that orders untagged entries and picks what is written to NVMe.
     """
 
     mem_bytes: int
@@ -62,6 +64,7 @@ class StoreConfig:
     pretouch: bool = True
     pool_budgets: tuple[PoolBudget, ...] = ()
     recency_bucket_s: float = 1.0
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
@@ -117,7 +120,7 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.arena = Arena(config.mem_bytes, pretouch=config.pretouch)
-        self.ram = RamTier(self.arena, config.recency_bucket_s)
+        self.ram = RamTier(self.arena, config.recency_bucket_s, config.eviction)
         self.budgets = PoolBudgets(config.pool_budgets, config.mem_bytes)
         self.nvme = (
             NvmeTier(config.disk_dir, config.disk_bytes, config.segment_bytes) if config.disk_dir else None
@@ -256,7 +259,7 @@ class Store:
             else:
                 entry = _entry_meta(RamEntry(off, loc.size, 0.0, on_disk=True), loc.meta, loc.expires)
                 entry.seq, entry.group = loc.seq, group
-                self.ram.insert(key, entry)
+                self.ram.insert(key, entry, reused=True)
                 self.counters["promotions"] += 1
             entry.pins += 1
             return Hit(self.arena.slot(entry.off, entry.size), entry)
@@ -347,9 +350,13 @@ class Store:
         return None
 
     def _evict(self, key: Key, entry: RamEntry) -> None:
-        self.ram.pop(key)
+        worth_disk = entry.group is not None or self.ram.policy.admit_to_disk(key)
+        self.ram.pop(key, evicted=True)
         self.counters["evictions"] += 1
         if self.nvme is None or entry.on_disk or self._closed:
+            self.ram.release(entry)
+        elif not worth_disk:
+            self.counters["demotion_skips"] += 1
             self.ram.release(entry)
         elif self._queue_bytes + entry.size <= self.config.demote_queue_bytes:
             self._demoting[key] = entry

@@ -1,0 +1,282 @@
+"""Eviction policies (gcache.tier.eviction): exact orders on tiny inputs, ghosts, pins, scan
+resistance, and the store hooks that drive them (in-process, no sockets)."""
+
+import itertools
+
+import pytest
+
+from gcache.errors import ConfigError
+from gcache.protocol import Status
+from gcache.tier.eviction import (
+    DiskAdmission,
+    EvictionConfig,
+    EvictionKind,
+    LruPolicy,
+    ReusePolicy,
+    S3FifoPolicy,
+    make_policy,
+)
+from gcache.tier.store import Store, StoreConfig
+
+KB = 1024
+
+
+def evict(policy, n):
+    """Evict ``n`` keys the way the store does; returns them in order."""
+    out = []
+    for key in itertools.islice(policy.candidates(), n):
+        policy.remove(key, evicted=True)
+        out.append(key)
+    return out
+
+
+def fill(policy, keys, size=1):
+    for k in keys:
+        policy.insert(k, size)
+
+
+# -- lru ---------------------------------------------------------------------------------------------
+def test_lru_order():
+    p = make_policy(EvictionConfig(EvictionKind.LRU), 100)
+    assert isinstance(p, LruPolicy)
+    fill(p, "abcd")
+    p.hit("a")
+    p.insert("c", 1)  # an overwrite is a reference
+    assert evict(p, 4) == ["b", "d", "a", "c"] and len(p) == 0
+
+
+def test_a_candidate_left_in_place_is_in_use_and_offered_once():
+    p = make_policy(EvictionConfig(EvictionKind.LRU), 100)
+    fill(p, "abc")
+    assert list(p.candidates()) == ["a", "b", "c"]  # none evicted (all pinned): each offered once
+    assert evict(p, 3) == ["a", "b", "c"]  # order unchanged: each was requeued in turn
+
+
+# -- reuse -------------------------------------------------------------------------------------------
+def reuse(**kw):
+    p = make_policy(EvictionConfig(EvictionKind.REUSE, **kw), 100)
+    assert isinstance(p, ReusePolicy)
+    return p
+
+
+def test_reuse_fresh_entries_go_first_while_reused_ones_age_at_half_speed():
+    p = reuse(protect=0.0, reused_weight=0.5)
+    p.insert("a", 1)  # tick 1
+    p.hit("a")  # tick 2: reused
+    fill(p, "bcdefghi")  # ticks 3..10, fresh
+    assert not p.reused("b") and p.reused("a")
+    # at tick 10: a's age counts (10 - 2) * 0.5 = 4; b..e are older than that (7, 6, 5, 4: a tie
+    # goes to the fresh one), f (age 3) is younger
+    assert evict(p, 5) == ["b", "c", "d", "e", "a"]
+    assert evict(p, 4) == ["f", "g", "h", "i"]
+
+
+def test_reuse_protected_share_evicts_only_fresh_entries():
+    p = reuse(protect=0.5)
+    fill(p, "ab")
+    p.hit("a")
+    p.hit("b")
+    fill(p, "cdefgh")  # 2 reused of 8 <= 50%: fresh ones go first however old the reused are
+    for k in "ijkl":
+        p.insert(k, 1)
+        assert evict(p, 1)[0] in "cdefghijkl"
+    assert p.reused("a") and p.reused("b") and "a" in p and "b" in p
+
+
+def test_reuse_ghost_makes_a_recently_evicted_key_start_reused():
+    p = reuse()
+    fill(p, "abc")
+    assert evict(p, 1) == ["a"]
+    p.insert("a", 1)
+    assert p.reused("a")
+    p.remove("b")  # deleted, not evicted: no ghost
+    p.insert("b", 1)
+    assert not p.reused("b")
+
+
+def test_reuse_promotion_from_disk_starts_reused():
+    p = reuse()
+    p.insert("x", 1, reused=True)
+    assert p.reused("x")
+
+
+def test_ghost_is_bounded():
+    p = reuse()
+    for i in range(10_000):
+        p.insert(i, 1)
+        evict(p, 1)
+    assert len(p) == 0 and len(p._ghost) <= 64
+
+
+# -- s3fifo ------------------------------------------------------------------------------------------
+def test_s3fifo_small_fifo_main_and_ghost():
+    p = make_policy(EvictionConfig(EvictionKind.S3FIFO, small_fraction=0.2), 10)  # small: 2 bytes
+    assert isinstance(p, S3FifoPolicy)
+    fill(p, "abc")
+    p.hit("b")
+    p.hit("b")  # referenced twice in the small FIFO: earns main
+    assert evict(p, 1) == ["a"]  # small holds 3 >= 2 bytes: its head, unreferenced, goes (to the ghost)
+    assert evict(p, 1) == ["c"]  # b moved to main on the way
+    assert "b" in p and p.reused("b")
+    p.insert("a", 1)  # a ghost hit enters main directly
+    assert p.reused("a")
+    p.hit("a")  # one reference: main reinserts it once before evicting it
+    assert evict(p, 2) == ["b", "a"]
+
+
+# -- config and disk admission -----------------------------------------------------------------------
+def test_config_validation_and_parse():
+    assert EvictionConfig.parse("s3fifo").kind is EvictionKind.S3FIFO
+    assert EvictionConfig().kind is EvictionKind.REUSE
+    with pytest.raises(ConfigError, match="choose one of"):
+        EvictionConfig.parse("arc")
+    for bad in ({"reused_weight": 0}, {"protect": 1.0}, {"small_fraction": 0}, {"ghost_factor": -1}):
+        with pytest.raises(ConfigError):
+            EvictionConfig(**bad)
+
+
+@pytest.mark.parametrize("kind", list(EvictionKind))
+def test_disk_admission(kind):
+    p = make_policy(EvictionConfig(kind), 100)
+    fill(p, "ab")
+    p.hit("a")
+    p.hit("a")
+    assert p.admit_to_disk("a") and p.admit_to_disk("b")
+    picky = make_policy(EvictionConfig(kind, disk=DiskAdmission.REUSED), 100)
+    fill(picky, "ab")
+    picky.hit("a")
+    picky.hit("a")
+    assert picky.admit_to_disk("a")
+    assert picky.admit_to_disk("b") is (kind is EvictionKind.LRU)  # LRU does not know: writes all
+
+
+@pytest.mark.parametrize("kind", list(EvictionKind))
+def test_every_policy_forgets_what_it_is_told_and_never_offers_unknown_keys(kind):
+    p = make_policy(EvictionConfig(kind), 1000)
+    fill(p, range(50))
+    for k in range(0, 50, 3):
+        p.hit(k)
+    for k in range(0, 50, 5):
+        p.remove(k)
+    p.remove("never there")
+    p.hit("never there")
+    left = set(range(50)) - set(range(0, 50, 5))
+    assert len(p) == len(left) and set(evict(p, 100)) == left and len(p) == 0
+
+
+# -- scan resistance ----------------------------------------------------------------------------------
+def scan_hits(kind, capacity=50, hot=5, rounds=10, scan=500):
+    """A hot set read between scans of ``scan`` new keys (10x the capacity): hits of the hot set."""
+    p = make_policy(EvictionConfig(kind), capacity)
+    new = itertools.count(1000)
+    hits = 0
+
+    def put(k):
+        if len(p) >= capacity:
+            evict(p, 1)
+        p.insert(k, 1)
+
+    for rnd in range(rounds):
+        for k in range(hot):
+            if k in p:
+                p.hit(k)
+                hits += rnd > 0
+            else:
+                put(k)
+                p.hit(k)  # read back by the engine
+        for _ in range(scan):
+            put(next(new))
+    return hits / (hot * (rounds - 1))
+
+
+def test_hot_set_survives_a_scan_ten_times_the_cache():
+    assert scan_hits(EvictionKind.LRU) == 0.0
+    assert scan_hits(EvictionKind.REUSE) == 1.0
+    assert scan_hits(EvictionKind.S3FIFO) == 1.0
+
+
+# -- through the store --------------------------------------------------------------------------------
+def read(store, key):
+    hit = store.acquire(key)
+    if hit is None:
+        return None
+    try:
+        return bytes(hit.view)
+    finally:
+        store.release(hit)
+
+
+@pytest.mark.parametrize("kind", [EvictionKind.REUSE, EvictionKind.S3FIFO])
+def test_store_keeps_a_hot_set_through_a_scan(kind):
+    s = Store(StoreConfig(mem_bytes=64 * 4 * KB, eviction=EvictionConfig(kind)))
+    try:
+        hot = [("ns", b"hot%d" % i) for i in range(4)]
+        for k in hot:
+            assert s.put(k, k[1] * 100) is Status.OK
+            assert read(s, k) and read(s, k)
+        for i in range(640):  # 10x the arena
+            assert s.put(("ns", b"scan%d" % i), b"s" * 4 * KB) is Status.OK
+            if i % 64 == 63:
+                assert all(read(s, k) == k[1] * 100 for k in hot)
+        assert s.stats()["evictions"] >= 640 - 64
+    finally:
+        s.close()
+
+
+def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(protect=0.0, reused_weight=0.5)))
+    try:
+        for i in range(3):
+            assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK
+        assert s.exists(("ns", b"k0"))  # k0 reused
+        assert s.put(("ns", b"k0"), b"n" * 4 * KB) is Status.OK  # overwrite (in the 4th slot): still reused
+        assert s.ram.policy.reused(("ns", b"k0"))
+        assert s.put(("ns", b"k3"), b"3" * 4 * KB) is Status.OK  # the arena is full now
+        assert s.stats().get("evictions", 0) == 0
+        pinned = s.acquire(("ns", b"k1"))  # k1 (the oldest fresh one) is being read
+        assert s.put(("ns", b"k4"), b"x" * 4 * KB) is Status.OK
+        assert [s.exists(("ns", b"k%d" % i)) for i in range(5)] == [True, True, False, True, True]
+        assert bytes(pinned.view) == bytes([1]) * 4 * KB
+        s.release(pinned)
+    finally:
+        s.close()
+
+
+def test_store_writes_only_admitted_victims_to_disk(tmp_path):
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
+                          eviction=EvictionConfig(protect=0.0, disk=DiskAdmission.REUSED)))
+    try:
+        for i in range(4):
+            s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB)
+        assert s.exists(("ns", b"k3"))  # reused: worth the disk
+        for i in range(4, 12):
+            s.put(("ns", b"k%d" % i), b"x" * 4 * KB)
+        assert s.flush()
+        assert read(s, ("ns", b"k3")) == bytes([3]) * 4 * KB  # from NVMe
+        assert read(s, ("ns", b"k0")) is None  # fresh when evicted: dropped, never written
+        st = s.stats()
+        assert st["demotion_skips"] >= 4 and st["hits_nvme"] == 1
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", list(EvictionKind))
+def test_store_does_not_rewrite_a_promoted_value_it_evicts_again(tmp_path, kind):
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
+                          eviction=EvictionConfig(kind)))
+    try:
+        key = ("ns", b"hot")
+        s.put(key, b"h" * 4 * KB)
+        for i in range(4):  # push it out to NVMe
+            s.put(("ns", b"a%d" % i), b"a" * 4 * KB)
+        assert s.flush() and read(s, key) == b"h" * 4 * KB  # an NVMe hit, promoted
+        first = s.nvme.index[key]
+        for i in range(4):  # push it out again
+            s.put(("ns", b"b%d" % i), b"b" * 4 * KB)
+        assert s.flush()
+        assert key not in s.ram.index
+        again = s.nvme.index[key]
+        assert (again.seg.seg_id, again.off) == (first.seg.seg_id, first.off)  # its copy is still the value
+        assert read(s, key) == b"h" * 4 * KB
+    finally:
+        s.close()
