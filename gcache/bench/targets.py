@@ -78,7 +78,8 @@ class GcacheTcp(Target):
             if self.local_mode != "off":
                 raise BenchError("this gcache client has no local path") from None
         kw.update(self.extra_client_kw())
-        self.client = Client(addresses, namespace=namespace, timeout_s=60.0, **kw)
+        # generous connect deadline: a benchmark on a loaded machine measures, it does not fail over
+        self.client = Client(addresses, namespace=namespace, timeout_s=60.0, connect_timeout_s=10.0, **kw)
         self.mem_budget = mem_budget
 
     def extra_client_kw(self) -> dict:
