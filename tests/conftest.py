@@ -64,3 +64,27 @@ def netlab(tmp_path):
     yield make
     for lab in labs:
         lab.close()
+
+
+def poll(pred, timeout, every=0.02):
+    """Call ``pred`` until it returns something true or ``timeout`` seconds pass; its last answer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = pred()
+        if out:
+            return out
+        time.sleep(every)
+    return pred()
+
+
+def read(store, key):
+    """The bytes a Store holds for ``key`` (None on a miss), read the way the daemon reads them."""
+    hit = store.acquire(key)
+    if hit is None:
+        return None
+    try:
+        return bytes(hit.view)
+    finally:
+        store.release(hit)

@@ -17,6 +17,7 @@ from gcache.tier.eviction import (
     make_policy,
 )
 from gcache.tier.store import Store, StoreConfig
+from tests.conftest import read
 
 KB = 1024
 
@@ -196,14 +197,6 @@ def test_hot_set_survives_a_scan_ten_times_the_cache():
 
 
 # -- through the store --------------------------------------------------------------------------------
-def read(store, key):
-    hit = store.acquire(key)
-    if hit is None:
-        return None
-    try:
-        return bytes(hit.view)
-    finally:
-        store.release(hit)
 
 
 @pytest.mark.parametrize("kind", [EvictionKind.REUSE, EvictionKind.S3FIFO])

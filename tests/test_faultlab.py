@@ -9,15 +9,7 @@ seconds. Figures are printed (pytest -s shows them).
 
 import time
 
-
-def poll(pred, timeout, every=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every)
-    return pred()
+from tests.conftest import poll
 
 
 def load_running(lab, reads=20):

@@ -17,17 +17,7 @@ from gcache.client.connection import Connection
 from gcache.cluster import LocalCluster
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
-from tests.conftest import sigstop
-
-
-def poll(pred, timeout, every=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every)
-    return pred()
+from tests.conftest import poll, sigstop
 
 
 @pytest.fixture

@@ -15,19 +15,12 @@ from gcache.protocol import Status
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.records import REC_MAGIC
 from gcache.tier.store import Store, StoreConfig
+from tests.conftest import read
 
 KB = 1024
 NS = "ns"
 
 
-def read(store, key):
-    hit = store.acquire(key)
-    if hit is None:
-        return None
-    try:
-        return bytes(hit.view)
-    finally:
-        store.release(hit)
 
 
 class GatedOs:

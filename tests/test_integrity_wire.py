@@ -3,21 +3,12 @@ keys resurrect nothing, and a short soak (mixed ops over TCP and shared memory, 
 demotion all the time, a kill -9 and restart) finds no wrong, stale or resurrected value."""
 
 import threading
-import time
 
 from gcache import Client, LocalPath, Status
+from tests.conftest import poll
 
 KB = 1024
 
-
-def poll(pred, timeout, every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every)
-    return pred()
 
 
 def test_gets_sent_with_deletes_of_disk_keys_never_resurrect_them(make_cluster):

@@ -4,9 +4,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the staging pool needs the torch extra")
 
-from gcache import Client, Status  # noqa: E402
-from gcache.client.staging import StagingConfig, StagingPool, TorchCopier  # noqa: E402
-from gcache.errors import ConfigError  # noqa: E402
+from gcache import Client, Status
+from gcache.client.staging import StagingConfig, StagingPool, TorchCopier
+from gcache.errors import ConfigError
 
 KB = 1024
 

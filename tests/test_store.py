@@ -9,6 +9,7 @@ import pytest
 from gcache.protocol import Status
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.store import Store, StoreConfig
+from tests.conftest import read
 
 KB = 1024
 
@@ -22,14 +23,6 @@ def wait_until(pred, timeout=10.0):
     return pred()
 
 
-def read(store, key):
-    hit = store.acquire(key)
-    if hit is None:
-        return None
-    try:
-        return bytes(hit.view)
-    finally:
-        store.release(hit)
 
 
 @pytest.fixture

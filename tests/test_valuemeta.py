@@ -12,19 +12,11 @@ from gcache.meta.master_client import MasterClient
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.store import Store, StoreConfig
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
+from tests.conftest import poll
 
 KB = 1024
 NS = "ns"
 
-
-def poll(pred, timeout, every=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every)
-    return pred()
 
 
 def meta_of(store, key):
