@@ -15,19 +15,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from gcache.client.buffers import as_view
 from gcache.client.connection import Connection, Pool
-from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
+from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.meta.master_client import SCHEME, MasterClient
-from gcache.meta.rpc import load_token
 from gcache.meta.membership import Membership
-from gcache.meta.ring import DEFAULT_VNODES, HashRing
+from gcache.meta.ring import HashRing
+from gcache.meta.rpc import load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.transport import Transport
 
@@ -87,7 +87,6 @@ class Client:
         on_node_error: OnNodeError = OnNodeError.RAISE,
         token: str | None = None,
         local: LocalPath = LocalPath.AUTO,
-        vnodes: int = DEFAULT_VNODES,
         max_idle_per_node: int = 8,
         split_bytes: int = 4 << 20,
         split_keys: int = 64,
@@ -108,7 +107,6 @@ class Client:
         self.timeout_s = timeout_s
         self.on_node_error = OnNodeError(on_node_error)
         self.token = token if token is not None else load_token(None)
-        self._vnodes = vnodes
         if split_bytes < 1 or split_keys < 1:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         self.split_bytes, self.split_keys = split_bytes, split_keys
@@ -148,7 +146,7 @@ class Client:
     def __repr__(self) -> str:
         return f"Client(namespace={self.namespace!r}, epoch={self._view.epoch}, nodes={list(self._view.addr)})"
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,7 +164,7 @@ class Client:
         current = getattr(self, "_view", None)
         if current is not None and membership.epoch < current.epoch:
             return
-        view = RoutingView.build(membership, self._vnodes)
+        view = RoutingView.build(membership)
         with self._lock:
             self._view = view
 
