@@ -94,7 +94,8 @@ class Client:
     ) -> None:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
-        the cluster token (default $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
+        the cluster token (default: gcache.env.resolve_token(), i.e. $GCACHE_TOKEN_FILE, else
+        $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
         the shared-memory path to daemons on this host (AUTO: when reachable, else TCP).
         ``transport``: TCP, or UCX (daemons run with ``--ucx``; UCX brings its own shared memory,
         so the local path is off; the UCX_* environment picks UCX's transports)."""
