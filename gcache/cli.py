@@ -8,25 +8,22 @@ import sys
 
 from gcache.errors import GCacheError
 
-DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (or env GCACHE_NODES)"
+DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (a static cluster; else $GCACHE_NODES)"
+MASTERS_HELP = "gcache://HOST:PORT,... of the master group (else $GCACHE_MASTERS)"
+TOKEN_FILE_HELP = "cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)"
 # commands that read a TOML config file (gcache.ops.config)
 CONFIG_COMMANDS = ("daemon", "master", "status", "drain", "health")
 
 
-def _nodes(args: argparse.Namespace) -> list[str]:
-    import os
-
-    raw = args.nodes or os.environ.get("GCACHE_NODES", "")
-    nodes = [n for n in raw.split(",") if n.strip()]
-    if not nodes:
-        raise SystemExit("gcache: give --nodes HOST:PORT[,HOST:PORT...] or set GCACHE_NODES")
-    return nodes
-
-
 def _client(args: argparse.Namespace):
     from gcache.client import Client
+    from gcache.env import resolve_cluster, resolve_token
 
-    return Client(_nodes(args), namespace=args.namespace, timeout_s=args.timeout)
+    try:
+        target = resolve_cluster(args.nodes, args.masters)
+    except GCacheError as exc:
+        raise SystemExit(f"gcache {args.cmd}: {exc}") from None
+    return Client(target, namespace=args.namespace, timeout_s=args.timeout, token=resolve_token(args.token_file))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -74,13 +71,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _master_client(args: argparse.Namespace):
     import os
 
+    from gcache.env import MASTERS_ENV, resolve_token
     from gcache.meta.master_client import MasterClient
-    from gcache.meta.rpc import load_token
 
-    url = args.masters or os.environ.get("GCACHE_MASTERS")
+    url = args.masters or os.environ.get(MASTERS_ENV)
     if not url:
-        raise SystemExit(f"gcache {args.cmd}: give --masters gcache://HOST:PORT,... or set GCACHE_MASTERS")
-    return MasterClient(url, load_token(args.token_file or os.environ.get("GCACHE_TOKEN_FILE")))
+        raise SystemExit(f"gcache {args.cmd}: give --masters gcache://HOST:PORT,... or set {MASTERS_ENV}")
+    return MasterClient(url, resolve_token(args.token_file))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -150,7 +147,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    data = open(args.file, "rb").read() if args.file else (args.value or "").encode()
+    if args.file:
+        with open(args.file, "rb") as f:
+            data = f.read()
+    else:
+        data = (args.value or "").encode()
     with _client(args) as c:
         st = c.put_one(args.key, data, ttl_s=args.ttl)
     print(st.name)
@@ -238,16 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     cc.set_defaults(fn=cmd_config_check)
 
     st = sub.add_parser("status", help="membership table (node, state, epoch, capacity, used, keys) from any master")
-    st.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
-    st.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
+    st.add_argument("--masters", default=None, help=MASTERS_HELP)
+    st.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     st.add_argument("--json", action="store_true", help="print raw JSON")
     st.set_defaults(fn=cmd_status)
 
     dr = sub.add_parser("drain", help="drain a node: its keys move to their new owners, hottest first, then it leaves")
     dr.add_argument("node", nargs="?", default=None,
                     help="node id to drain (default with --config: its [daemon] node_id, else its listen address)")
-    dr.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS)")
-    dr.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
+    dr.add_argument("--masters", default=None, help=MASTERS_HELP)
+    dr.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     dr.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many seconds")
     dr.add_argument("--no-wait", action="store_true", help="return once the drain has started")
     dr.set_defaults(fn=cmd_drain)
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     def data_cmd(name: str, help_: str) -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--nodes", default=None, help=DEFAULT_NODES_HELP)
+        s.add_argument("--masters", default=None, help=MASTERS_HELP + "; routing follows its membership")
+        s.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
         s.add_argument("--namespace", "-n", default="default", help="namespace (tenant/model; default %(default)s)")
         s.add_argument("--timeout", type=float, default=2.0, help="call timeout in seconds (default %(default)s)")
         return s

@@ -7,6 +7,9 @@ Load it through the factory's dynamic mechanism::
         "class_name":"GCacheStorage","interface_v1":1,"hicache_storage_pass_prefix_keys":true,
         "nodes":"127.0.0.1:7400,127.0.0.1:7401"}'
 
+``"nodes"`` may also be the master group, ``"gcache://m1:p1,m2:p2"`` (routing then follows its
+membership); the token comes from ``"token_file"``, $GCACHE_TOKEN_FILE or $GCACHE_TOKEN.
+
 * v1 (``batch_get_v1`` / ``batch_set_v1``): KV pages move between the registered host pool's
   memory and the daemons without intermediate copies (see pages.py).
 * v2 (hybrid pools): KV pages go to the daemon pool "kv", SWA pages to the pool "swa" with its
@@ -65,7 +68,7 @@ class GCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = AdapterConfig.from_extra(storage_config.extra_config if storage_config else None)
         self.scheme = KeyScheme.from_storage_config(storage_config)
-        self.client = Client(list(self.config.nodes), namespace=self.config.namespace,
+        self.client = Client(self.config.target(), namespace=self.config.namespace, token=self.config.token(),
                              timeout_s=self.config.timeout_s, connect_timeout_s=self.config.connect_timeout_s,
                              on_node_error=OnNodeError.MISS)
         self.registered_pools: dict[str, Any] = {}

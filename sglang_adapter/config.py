@@ -1,8 +1,12 @@
 """The adapter's configuration, read once from SGLang's ``--hicache-storage-backend-extra-config``.
 
-Recognised keys (all optional except a node list, which may instead come from $GCACHE_NODES)::
+Recognised keys (all optional; the cluster may instead come from $GCACHE_MASTERS or $GCACHE_NODES,
+see gcache.env)::
 
-    "nodes":            ["127.0.0.1:7400", ...] or "h1:p1,h2:p2"
+    "nodes":            ["127.0.0.1:7400", ...] or "h1:p1,h2:p2" (a static cluster), or
+                        "gcache://m1:p1,m2:p2" (the master group: routing follows its membership)
+    "masters":          "gcache://m1:p1,m2:p2" (same as a gcache:// "nodes")
+    "token_file":       cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)
     "namespace":        gcache namespace (default "sglang")
     "timeout_s":        per-batch deadline; a dead daemon turns into misses within it (default 1.0)
     "connect_timeout_s": (default 0.3)
@@ -22,23 +26,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gcache.env import resolve_cluster, resolve_token
 from gcache.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class AdapterConfig:
+    """``nodes``: daemon HOST:PORTs (a static cluster), or empty with ``masters`` set."""
+
     nodes: tuple[str, ...]
     namespace: str = "sglang"
     timeout_s: float = 1.0
     connect_timeout_s: float = 0.3
     dual_pools: bool = True
     skip_existing: bool = True
+    masters: str | None = None
+    token_file: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.nodes:
-            raise ConfigError("gcache adapter: no nodes; set extra_config 'nodes' or $GCACHE_NODES")
+        if not self.nodes and not self.masters:
+            raise ConfigError("gcache adapter: no cluster; set extra_config 'nodes' (HOST:PORT list or "
+                              "gcache://masters) or $GCACHE_MASTERS / $GCACHE_NODES")
         if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
             raise ConfigError("gcache adapter: timeout_s and connect_timeout_s must be > 0")
+
+    def target(self) -> str | list[str]:
+        """What the gcache Client is given: the master URL, else the node list."""
+        return self.masters if self.masters else list(self.nodes)
+
+    def token(self) -> str | None:
+        return resolve_token(self.token_file)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, read_file: bool = True) -> AdapterConfig:
@@ -48,16 +65,24 @@ class AdapterConfig:
             from gcache.ops.config import load
 
             extra = {**load(path).get("sglang", {}), **extra}
-        nodes = extra.get("nodes") or os.environ.get("GCACHE_NODES", "")
-        if isinstance(nodes, str):
-            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-        if not isinstance(nodes, (list, tuple)) or not all(isinstance(n, str) for n in nodes):
-            raise ConfigError(f"gcache adapter: 'nodes' must be a list of HOST:PORT, got {nodes!r}")
+        nodes = extra.get("nodes")
+        if nodes is not None and not isinstance(nodes, str) and (
+                not isinstance(nodes, (list, tuple)) or not all(isinstance(n, str) for n in nodes)):
+            raise ConfigError(f"gcache adapter: 'nodes' must be a list of HOST:PORT or a gcache:// URL, got {nodes!r}")
+        masters = extra.get("masters")
+        if masters is not None and not isinstance(masters, str):
+            raise ConfigError(f"gcache adapter: 'masters' must be a gcache:// URL, got {masters!r}")
+        try:
+            target = resolve_cluster(nodes or None, masters)
+        except ConfigError as exc:
+            raise ConfigError(f"gcache adapter: {exc}") from None
         kwargs: dict[str, Any] = {}
+        if isinstance(target, str):
+            kwargs["masters"] = target
         for name, typ in (("namespace", str), ("timeout_s", (int, float)), ("connect_timeout_s", (int, float)),
-                          ("dual_pools", bool), ("skip_existing", bool)):
+                          ("dual_pools", bool), ("skip_existing", bool), ("token_file", str)):
             if name in extra:
                 if not isinstance(extra[name], typ):
                     raise ConfigError(f"gcache adapter: {name!r} has the wrong type: {extra[name]!r}")
                 kwargs[name] = extra[name]
-        return cls(nodes=tuple(nodes), **kwargs)
+        return cls(nodes=() if isinstance(target, str) else tuple(target), **kwargs)

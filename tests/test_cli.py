@@ -11,7 +11,7 @@ GCACHE = [sys.executable, "-m", "gcache"]
 
 
 def run(*args, env=None, check=True):
-    p = subprocess.run([*GCACHE, *args], capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run([*GCACHE, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
     if check:
         assert p.returncode == 0, p.stderr
     return p
@@ -99,6 +99,18 @@ def test_up_with_masters_status_and_drain(tmp_path):
                 env[k] = v
         status = run("status", env=env).stdout
         assert "node0" in status and "node1" in status and status.count("UP") == 2
+        # data commands find the cluster and its token the way `gcache up` printed them
+        assert run("put", "greeting", "hello", env=env).stdout.strip() == "OK"
+        nodes_only = {k: v for k, v in env.items() if k != "GCACHE_MASTERS"}
+        assert run("get", "greeting", env=nodes_only).stdout == "hello\n"
+        no_token = {k: v for k, v in env.items() if k not in ("GCACHE_TOKEN_FILE", "GCACHE_TOKEN")}
+        assert run("exists", "greeting", "--token-file", env["GCACHE_TOKEN_FILE"],
+                   env=no_token).stdout.splitlines() == ["greeting\tyes"]
+        assert run("get", "greeting", "--masters", env["GCACHE_MASTERS"], env=nodes_only).stdout == "hello\n"
+        stats = json.loads(run("stats", "--json", env=env).stdout)
+        assert sum(s["ram_keys"] for s in stats.values()) == 1
+        refused = run("get", "greeting", env=no_token, check=False)
+        assert refused.returncode != 0 and "token" in refused.stderr.lower()
         doc = json.loads(run("status", "--json", env=env).stdout)
         assert doc["membership"]["epoch"] >= 2 and doc["master"]["is_leader"]
         out = run("drain", "node0", env=env).stdout
@@ -106,7 +118,6 @@ def test_up_with_masters_status_and_drain(tmp_path):
         assert "node0" not in run("status", env=env).stdout
         bad = run("drain", "node1", env=env, check=False)
         assert bad.returncode == 1 and "last node" in bad.stderr
-        no_token = {k: v for k, v in env.items() if k not in ("GCACHE_TOKEN_FILE", "GCACHE_TOKEN")}
         refused = run("status", env=no_token, check=False)
         assert refused.returncode == 1 and "token" in refused.stderr
     finally:

@@ -26,7 +26,7 @@ from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.errors import CallTimeout, ConfigError, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.meta.master_client import SCHEME, MasterClient
 from gcache.meta.membership import Membership
-from gcache.meta.ring import DEFAULT_VNODES, HashRing
+from gcache.meta.ring import HashRing
 from gcache.meta.rpc import load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
@@ -90,7 +90,6 @@ class Client:
         on_node_error: OnNodeError = OnNodeError.RAISE,
         token: str | None = None,
         local: LocalPath = LocalPath.AUTO,
-        vnodes: int = DEFAULT_VNODES,
         max_idle_per_node: int = 8,
         split_bytes: int = 4 << 20,
         split_keys: int = 64,
@@ -98,7 +97,8 @@ class Client:
     ) -> None:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``token``:
-        the cluster token (default $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
+        the cluster token (default: gcache.env.resolve_token(), i.e. $GCACHE_TOKEN_FILE, else
+        $GCACHE_TOKEN), sent to masters and daemons. ``local``: use
         the shared-memory path to daemons on this host (AUTO: when reachable, else TCP).
         ``transport``: TCP, or UCX (daemons run with ``--ucx``; UCX brings its own shared memory,
         so the local path is off; the UCX_* environment picks UCX's transports)."""
@@ -111,7 +111,6 @@ class Client:
         self.timeout_s = timeout_s
         self.on_node_error = OnNodeError(on_node_error)
         self.token = token if token is not None else load_token(None)
-        self._vnodes = vnodes
         if split_bytes < 1 or split_keys < 1:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         self.split_bytes, self.split_keys = split_bytes, split_keys
@@ -169,7 +168,7 @@ class Client:
         current = getattr(self, "_view", None)
         if current is not None and membership.epoch < current.epoch:
             return
-        view = RoutingView.build(membership, self._vnodes)
+        view = RoutingView.build(membership)
         with self._lock:
             self._view = view
 

@@ -33,18 +33,18 @@ class RoutingView:
         return self.membership.epoch
 
     @classmethod
-    def build(cls, membership: Membership, vnodes: int) -> RoutingView:
-        owners = membership.owners()
-        if not owners:
+    def build(cls, membership: Membership) -> RoutingView:
+        """The rings of ``membership``, built with the parameters it carries (so this client
+        agrees with the daemons about every key's owner)."""
+        ring = membership.build_ring()
+        if ring is None:
             raise ConfigError(f"membership epoch {membership.epoch} has no node that owns keys")
-        ring = HashRing({nid: n.weight for nid, n in owners.items()}, vnodes)
-        addr = {nid: n.address for nid, n in owners.items()}
-        prev_ring = prev_addr = None
+        addr = {nid: n.address for nid, n in membership.owners().items()}
+        prev_ring = membership.build_previous_ring()
+        prev_addr = None
         if membership.previous:
             alive = {n.node_id: n.address for n in membership.nodes if n.state.value in ("up", "suspect", "draining")}
-            prev = {n.node_id: n for n in membership.previous}
-            prev_ring = HashRing({nid: n.weight for nid, n in prev.items()}, vnodes)
-            prev_addr = {nid: alive[nid] for nid in prev if nid in alive}
+            prev_addr = {n.node_id: alive[n.node_id] for n in membership.previous if n.node_id in alive}
         return cls(membership, ring, addr, prev_ring, prev_addr)
 
 

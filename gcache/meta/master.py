@@ -42,7 +42,7 @@ class MasterConfig:
 
     def __post_init__(self) -> None:
         if not self.token:
-            raise ConfigError("a master needs the cluster token (--token-file or $GCACHE_TOKEN)")
+            raise ConfigError("a master needs the cluster token (--token-file, $GCACHE_TOKEN_FILE or $GCACHE_TOKEN)")
         if not 0 < self.suspect_after_s < self.down_after_s:
             raise ConfigError("need 0 < --suspect-after < --down-after")
         if len(self.peers) not in (1, 3, 5) or self.raft not in self.peers:
@@ -221,7 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raft", required=True, help="this master's Raft HOST:PORT")
     p.add_argument("--peers", required=True,
                    help="comma-separated Raft HOST:PORT of every master (1, 3 or 5), this one included")
-    p.add_argument("--token-file", default=None, help="file holding the cluster token (else $GCACHE_TOKEN)")
+    p.add_argument("--token-file", default=None, help="file holding the cluster token (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)")
     p.add_argument("--suspect-after", type=float, default=2.0, help="heartbeat silence before SUSPECT (s)")
     p.add_argument("--down-after", type=float, default=3.0, help="heartbeat silence before DOWN (s)")
     p.add_argument("--ready-file", default=None, help="write the gRPC HOST:PORT here once serving")

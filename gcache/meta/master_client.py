@@ -9,10 +9,9 @@ from typing import Any
 
 import grpc
 
+from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
-
-SCHEME = "gcache://"
 
 
 class MasterUnavailable(GCacheError):
@@ -26,7 +25,7 @@ class AuthFailed(GCacheError):
 def parse_masters(spec: str | list[str]) -> list[str]:
     """``gcache://h1:p1,h2:p2`` (or a plain list) -> [HOST:PORT, ...]."""
     if isinstance(spec, str):
-        spec = spec[len(SCHEME):] if spec.startswith(SCHEME) else spec
+        spec = spec.removeprefix(SCHEME)
         spec = spec.split(",")
     out = [s.strip().rstrip("/") for s in spec if s.strip()]
     if not out or any(":" not in a for a in out):

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
+from gcache.meta.ring import HashRing, RingParams
 
 
 class NodeState(enum.Enum):
@@ -37,11 +38,15 @@ class Node:
 @dataclass(frozen=True)
 class Membership:
     """``previous``: while a handover is in progress, the owners from before the change that
-    opened it; a client falls back to them on a miss."""
+    opened it; a client falls back to them on a miss. ``ring`` / ``previous_ring``: the ring
+    parameters the master published with them (None: fitted to the owners, as a static cluster
+    does), so that every client and daemon builds the same ring."""
 
     epoch: int
     nodes: tuple[Node, ...] = field(default_factory=tuple)
     previous: tuple[Node, ...] | None = None
+    ring: RingParams | None = None
+    previous_ring: RingParams | None = None
 
     @classmethod
     def from_master(cls, m: dict) -> Membership:
@@ -49,7 +54,9 @@ class Membership:
         nodes = tuple(Node(r["id"], r["address"], float(r["weight"]), NodeState(r["state"])) for r in m["nodes"])
         t = m.get("transition")
         prev = tuple(Node(r["id"], r["address"], float(r["weight"])) for r in t["from"]) if t else None
-        return cls(int(m["epoch"]), nodes, prev)
+        ring = RingParams.from_wire(m["ring"]) if m.get("ring") else None
+        prev_ring = RingParams.from_wire(t["ring"]) if t and t.get("ring") else None
+        return cls(int(m["epoch"]), nodes, prev, ring, prev_ring)
 
     @classmethod
     def from_addresses(cls, addresses: Iterable[str], epoch: int = 0) -> Membership:
@@ -60,6 +67,18 @@ class Membership:
         if len({n.node_id for n in nodes}) != len(nodes):
             raise ConfigError("duplicate node addresses")
         return cls(epoch, nodes)
+
+    def build_ring(self) -> HashRing | None:
+        """The ring of the owners (None when nothing owns keys). Costs up to ~50 ms: build it
+        once per epoch, off any hot path."""
+        owners = self.owners()
+        return HashRing({nid: n.weight for nid, n in owners.items()}, self.ring) if owners else None
+
+    def build_previous_ring(self) -> HashRing | None:
+        """The ring of the owners before the open handover (None when there is none)."""
+        if not self.previous:
+            return None
+        return HashRing({n.node_id: n.weight for n in self.previous}, self.previous_ring)
 
     def owners(self) -> dict[str, Node]:
         """Nodes that own ring ranges (UP and SUSPECT; DOWN and DRAINING own nothing)."""

@@ -9,6 +9,10 @@ States: UP and SUSPECT nodes own ring ranges; DOWN and DRAINING nodes own none. 
 moves ranges away from live nodes (a join, a drain) opens a *transition*: the owners from before
 the change stay listed so clients can fall back to them on a miss, until every node that must
 hand keys over has reported ``handover_done`` for that epoch.
+
+The ring parameters (points per unit of weight) are part of the state too: refitted to the
+owners at every change, with hysteresis, and published with the membership (and with the
+transition's previous owners), so that every client and daemon builds the same ring.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+
+from gcache.meta.ring import RingParams
 
 COMMAND_VERSION = 1
 GiB = 1 << 30
@@ -37,6 +43,7 @@ class NodeTable:
         self.epoch = 0
         self.nodes: dict[str, dict[str, Any]] = {}
         self.transition: dict[str, Any] | None = None
+        self.ring_unit = RingParams().unit
 
     # -- commands ---------------------------------------------------------------------------
     def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -119,13 +126,15 @@ class NodeTable:
 
     def _changed(self, before: dict[str, dict[str, Any]], must_hand_over: set[str]) -> None:
         self.epoch += 1
+        unit_before = self.ring_unit
+        self.ring_unit = RingParams.fit([r["weight"] for r in self._owners().values()], unit_before).unit
         live = {n for n, r in self.nodes.items() if r["state"] in OWNING or r["state"] == "draining"}
         if must_hand_over:
             pending = set(must_hand_over)
             if self.transition is not None:
                 pending |= set(self.transition["pending"])
             self.transition = {"epoch": self.epoch, "from": sorted(before.values(), key=lambda r: r["id"]),
-                               "pending": sorted(pending & live)}
+                               "ring": RingParams(unit_before).to_wire(), "pending": sorted(pending & live)}
         elif self.transition is not None:
             self.transition["pending"] = sorted(set(self.transition["pending"]) & live)
         if self.transition is not None and not self.transition["pending"]:
@@ -134,17 +143,20 @@ class NodeTable:
     # -- views ------------------------------------------------------------------------------
     def membership(self) -> dict[str, Any]:
         """What clients and daemons route by."""
+        t = self.transition
         return {"epoch": self.epoch, "nodes": [dict(r) for r in self.nodes.values()],
-                "transition": None if self.transition is None else {
-                    "epoch": self.transition["epoch"], "from": [dict(r) for r in self.transition["from"]],
-                    "pending": list(self.transition["pending"])}}
+                "ring": RingParams(self.ring_unit).to_wire(),
+                "transition": None if t is None else {
+                    "epoch": t["epoch"], "from": [dict(r) for r in t["from"]], "ring": dict(t["ring"]),
+                    "pending": list(t["pending"])}}
 
     def snapshot(self) -> bytes:
         return msgpack.packb({"v": COMMAND_VERSION, "epoch": self.epoch, "nodes": self.nodes,
-                              "transition": self.transition})
+                              "transition": self.transition, "ring_unit": self.ring_unit})
 
     def restore(self, blob: bytes) -> None:
         data = msgpack.unpackb(blob)
         if data.get("v") != COMMAND_VERSION:
             raise CommandError(f"snapshot version {data.get('v')!r} not supported")
         self.epoch, self.nodes, self.transition = data["epoch"], data["nodes"], data["transition"]
+        self.ring_unit = float(data["ring_unit"])

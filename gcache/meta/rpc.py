@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import msgpack
 
-from gcache.errors import ConfigError
+from gcache.env import resolve_token
 from gcache.ratelog import RateLimitedLog
 
 SERVICE = "gcache.Master"
 TOKEN_HEADER = "x-gcache-token"
-TOKEN_ENV = "GCACHE_TOKEN"
 MAX_MSG = 64 << 20
 # Reconnect fast after a partition heals: by default a connect attempt may hang for 20 s and the
 # backoff between attempts grows to 2 minutes, long enough for a healthy daemon to be declared
@@ -42,17 +41,9 @@ def unpack(raw: bytes) -> Any:
 
 
 def load_token(token_file: str | None) -> str | None:
-    """The cluster token from a file (first line) or $GCACHE_TOKEN; None when neither is set."""
-    if token_file:
-        try:
-            with open(token_file) as f:
-                token = f.readline().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read token file {token_file!r}: {exc}") from None
-        if not token:
-            raise ConfigError(f"token file {token_file!r} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
+    """The cluster token: ``token_file``, else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN (None when
+    none is set). See gcache.env."""
+    return resolve_token(token_file)
 
 
 def token_ok(expected: str | None, given: str | None) -> bool:

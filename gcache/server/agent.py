@@ -58,6 +58,9 @@ class Agent:
         self.epoch = 0
         self.membership: Membership | None = None
         self._ring: HashRing | None = None
+        self._ring_epoch = -1
+        self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
+        self._ring_cond = threading.Condition()
         self._last_tick = 0.0
         self._registered = threading.Event()
         self._lock = threading.Lock()
@@ -94,6 +97,7 @@ class Agent:
     def start(self) -> Agent:
         threading.Thread(target=self._heartbeat_loop, name="gcache-heartbeat", daemon=True).start()
         threading.Thread(target=self._handover_loop, name="gcache-handover", daemon=True).start()
+        threading.Thread(target=self._ring_loop, name="gcache-ring", daemon=True).start()
         return self
 
     def wait_registered(self, timeout_s: float) -> bool:
@@ -111,6 +115,8 @@ class Agent:
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
+        with self._ring_cond:
+            self._ring_cond.notify_all()
 
     def _register(self) -> None:
         """Register a new incarnation. A daemon that had one (it was declared down or forgotten)
@@ -127,7 +133,7 @@ class Agent:
         if not rejoin and out.get("was") not in OWNING:
             self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
         self.inc = int(out["inc"])
-        self._apply_membership(out["membership"])
+        self._apply_membership(out["membership"], build_now=True)  # fenced until registered anyway
         self._await_previous_owners(out["membership"])
         self._last_tick = sent_at
         self.mode = Mode.SERVING
@@ -269,20 +275,48 @@ class Agent:
             except GCacheError:
                 return False
 
-    def _apply_membership(self, m: dict[str, Any]) -> None:
+    def _apply_membership(self, m: dict[str, Any], build_now: bool = False) -> None:
+        """Adopt a membership. Its ring is built by the ring thread (a big ring takes tens of
+        ms; the heartbeat loop must not wait for it), or here with ``build_now``."""
         membership = Membership.from_master(m)
-        owners = membership.owners()
-        ring = HashRing({n: o.weight for n, o in owners.items()}) if owners else None
         with self._lock:
             if membership.epoch < self.epoch:
                 return
             changed = membership.epoch != self.epoch
-            self.membership, self._ring, self.epoch = membership, ring, membership.epoch
+            self.membership, self.epoch = membership, membership.epoch
             self._transition = m.get("transition")
             self.touchlog.set_handover_open(self._transition is not None)
+        if build_now:
+            self._install_ring(membership, membership.build_ring())
+        else:
+            with self._ring_cond:
+                self._ring_wanted = membership
+                self._ring_cond.notify_all()
         if changed:
             with self._changed:
                 self._changed.notify_all()
+
+    def _install_ring(self, membership: Membership, ring: HashRing | None) -> None:
+        with self._lock:
+            if membership.epoch < self._ring_epoch:
+                return
+            self._ring, self._ring_epoch = ring, membership.epoch
+        with self._changed:
+            self._changed.notify_all()
+
+    def _ring_loop(self) -> None:
+        """Builds the ring of the newest membership, once per epoch (skipping any that were
+        superseded while it was busy)."""
+        while not self._stop.is_set():
+            with self._ring_cond:
+                self._ring_cond.wait_for(lambda: self._ring_wanted is not None or self._stop.is_set())
+                membership, self._ring_wanted = self._ring_wanted, None
+            if membership is None or membership.epoch <= self._ring_epoch:
+                continue
+            try:
+                self._install_ring(membership, membership.build_ring())
+            except GCacheError as exc:  # a membership this version cannot route by: keep the old ring
+                log.error("cannot build the ring of epoch %d: %s", membership.epoch, exc)
 
     # -- handover ---------------------------------------------------------------------------
     def _handover_loop(self) -> None:
@@ -292,6 +326,8 @@ class Agent:
                 self._changed.wait(1.0)
             t = getattr(self, "_transition", None)
             if t is None or self.node_id not in t["pending"] or t["epoch"] <= done_epoch or self.fenced:
+                continue
+            if self._ring_epoch < int(t["epoch"]):  # hand over by the ring of that epoch, once built
                 continue
             epoch = int(t["epoch"])
             try:

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gcache://HOST:PORT,... of the master group: register, heartbeat, hand keys over "
                         "(omit for a static cluster)")
     p.add_argument("--token-file", default=None,
-                   help="cluster token file (else $GCACHE_TOKEN); required of clients when set")
+                   help="cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN); required of clients when set")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default %(default)s)")
     p.add_argument("--fence-after", type=float, default=2.0,
                    help="refuse data requests (FENCED) after this long without an acknowledgement from the master "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.sglang_adapter.conftest import fill_random, make_storage, mha_host_pool
+from tests.sglang_adapter.conftest import POOL_ARGS, fill_random, make_storage, mha_host_pool
 
 pytestmark = pytest.mark.usefixtures("sgl")
 
@@ -24,6 +24,35 @@ def test_created_through_the_factory_dynamic_mechanism(adapter_cluster):
     s = make_storage(adapter_cluster.addresses)
     assert isinstance(s, GCacheStorage) and s.config.nodes == tuple(adapter_cluster.addresses)
     s.close()
+
+
+def test_bootstraps_from_the_masters_with_the_cluster_token_file(tmp_path, monkeypatch):
+    """The adapter takes gcache://masters like the client, and the token from a token file."""
+    import torch
+
+    from gcache.cluster import LocalCluster
+
+    for k in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE", "GCACHE_MASTERS", "GCACHE_NODES"):
+        monkeypatch.delenv(k, raising=False)
+    c = LocalCluster(nodes=2, mem="32MiB", masters=1, root=str(tmp_path), extra_args=POOL_ARGS).start()
+    try:
+        src, dst = mha_host_pool(), mha_host_pool()
+        fill_random(src, seed=3)
+        w = make_storage([], {"nodes": c.master_url, "token_file": c.token_file})
+        monkeypatch.setenv("GCACHE_TOKEN_FILE", c.token_file)  # the same resolution through the environment
+        r = make_storage([], {"nodes": c.master_url})
+        assert sorted(w.client.membership.owners()) == ["node0", "node1"]
+        w.register_mem_pool_host(src)
+        r.register_mem_pool_host(dst)
+        keys = [f"masters-{i}" for i in range(5)]
+        idx = torch.arange(8, 28)
+        assert w.batch_set_v1(keys, idx) == [True] * 5
+        assert r.batch_get_v1(keys, idx) == [True] * 5
+        assert page_bytes_at(dst, idx) == page_bytes_at(src, idx)
+        w.close()
+        r.close()
+    finally:
+        c.stop()
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])

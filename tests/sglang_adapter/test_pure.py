@@ -61,12 +61,34 @@ def test_page_format_names_every_property_of_the_bytes():
 
 
 def test_adapter_config_validates(monkeypatch):
-    monkeypatch.delenv("GCACHE_NODES", raising=False)
+    for k in ("GCACHE_NODES", "GCACHE_MASTERS", "GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
     with pytest.raises(ConfigError):
         AdapterConfig.from_extra({})
     assert AdapterConfig.from_extra({"nodes": "a:1, b:2"}).nodes == ("a:1", "b:2")
     with pytest.raises(ConfigError):
         AdapterConfig.from_extra({"nodes": ["a:1"], "timeout_s": "soon"})
+    with pytest.raises(ConfigError):
+        AdapterConfig.from_extra({"nodes": 7})
+
+
+def test_adapter_config_takes_masters_like_the_client(monkeypatch, tmp_path):
+    for k in ("GCACHE_NODES", "GCACHE_MASTERS", "GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    c = AdapterConfig.from_extra({"nodes": "gcache://m:1,m:2"})
+    assert c.target() == "gcache://m:1,m:2" and c.nodes == ()
+    assert AdapterConfig.from_extra({"masters": "gcache://m:1"}).target() == "gcache://m:1"
+    monkeypatch.setenv("GCACHE_MASTERS", "gcache://env:1")
+    monkeypatch.setenv("GCACHE_NODES", "a:1")
+    assert AdapterConfig.from_extra({}).target() == "gcache://env:1"
+    assert AdapterConfig.from_extra({"nodes": ["a:1"]}).target() == ["a:1"]
+    tok = tmp_path / "tok"
+    tok.write_text("s3cret\n")
+    monkeypatch.setenv("GCACHE_TOKEN", "from-env")
+    assert AdapterConfig.from_extra({"nodes": ["a:1"]}).token() == "from-env"
+    monkeypatch.setenv("GCACHE_TOKEN_FILE", str(tok))
+    assert AdapterConfig.from_extra({"nodes": ["a:1"]}).token() == "s3cret"
+    assert AdapterConfig.from_extra({"nodes": ["a:1"], "token_file": str(tok)}).token() == "s3cret"
 
 
 # -- pool budgets ---------------------------------------------------------------------------------------
