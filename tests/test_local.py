@@ -38,7 +38,7 @@ def test_round_trips_byte_exact_on_both_paths(make_cluster, mode):
     sizes = [0, 1, 63, 64, 4096, 100_000, 1 << 20, 3 << 20]
     keys = [f"v{s}" for s in sizes]
     vals = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
-    with Client(c.addresses, local=mode) as cl:
+    with Client(c.addresses, local=mode, connect_timeout_s=5.0) as cl:  # a loaded machine accepts slowly
         assert cl.put(keys, vals) == [Status.OK] * len(keys)
         out = [np.full(s + 7, 0xEE, np.uint8) for s in sizes]
         res = cl.get_into(keys, out)
@@ -64,7 +64,7 @@ def test_local_and_remote_owners_in_one_batch(make_cluster):
     addrs = local.addresses + remote.addresses
     keys = [f"k{i}" for i in range(64)]
     vals = [os.urandom(10_000 + i) for i in range(64)]
-    with Client(addrs, local=LocalPath.AUTO) as cl:
+    with Client(addrs, local=LocalPath.AUTO, connect_timeout_s=5.0) as cl:
         owners = set(cl.owners(keys))
         assert owners == set(addrs)
         assert cl.put(keys, vals) == [Status.OK] * 64
