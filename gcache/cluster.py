@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Self
 
 from gcache.errors import GCacheError
 from gcache.ops.supervise import Backoff
@@ -252,7 +253,7 @@ class LocalCluster:
         if self._own_root and self.root:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -120,10 +120,10 @@ def decode_meta(raw: bytes | memoryview) -> dict[str, Any]:
     """Decode request/reply metadata; raises ValueError for anything but a msgpack map."""
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES)
-    except Exception as exc:  # msgpack raises several unrelated types
+    except Exception as exc:  # noqa: BLE001  (msgpack raises several unrelated types)
         raise ValueError(f"undecodable metadata: {exc}") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")
+        raise ValueError(f"metadata must be a map, got {type(meta).__name__}")  # noqa: TRY004  (callers catch ValueError for every bad frame)
     return meta
 
 

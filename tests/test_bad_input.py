@@ -21,7 +21,7 @@ def connect(address):
 def read_reply(sock):
     hdr = bytearray(P.HEADER_SIZE)
     recv_exact(sock, memoryview(hdr))
-    version, op, flags, req_id, meta_len, payload_len = P.unpack_header(hdr)
+    _version, _op, flags, req_id, meta_len, payload_len = P.unpack_header(hdr)
     meta = bytearray(meta_len)
     recv_exact(sock, memoryview(meta))
     payload = bytearray(payload_len)
@@ -62,7 +62,7 @@ def test_wrong_version_is_refused_clearly(make_cluster):
     addr = make_cluster(nodes=1).addresses[0]
     s = connect(addr)
     s.sendall(frame(P.Op.PING, {}, version=9))
-    flags, _, meta, _ = read_reply(s)
+    _flags, _, meta, _ = read_reply(s)
     assert meta["code"] == P.ErrorCode.BAD_VERSION and "version 9" in meta["msg"]
     assert still_serves(addr)
 
@@ -91,7 +91,7 @@ def test_oversized_payload_is_refused_before_reading_it(make_cluster):
     s = connect(addr)
     hdr = struct.pack("<4sBBHQIQ", P.MAGIC, P.VERSION, P.Op.PUT, 0, 1, 0, 1 << 50)
     s.sendall(hdr)
-    flags, _, meta, _ = read_reply(s)
+    _flags, _, meta, _ = read_reply(s)
     assert meta["code"] == P.ErrorCode.TOO_LARGE
     assert closed(s)
     assert still_serves(addr)

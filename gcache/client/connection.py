@@ -188,7 +188,7 @@ class Connection:
                 if len(buf) >= P.HEADER_SIZE:
                     need = P.HEADER_SIZE + P.unpack_header(buf[: P.HEADER_SIZE])[4]
         self._pending.pop(0)
-        _v, _op, flags, _rid, meta_len, _plen = P.unpack_header(buf[: P.HEADER_SIZE])
+        _v, _op, flags, _rid, _mlen, _plen = P.unpack_header(buf[: P.HEADER_SIZE])
         meta = P.decode_meta(bytes(buf[P.HEADER_SIZE:need]))
         if flags & P.FLAG_ERROR or not fds:
             for fd in fds:

@@ -13,17 +13,18 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 
 from gcache.errors import ConfigError
 from gcache.meta import rpc
-from gcache.process import stop_on_signals, write_ready
 from gcache.meta.nodetable import COMMAND_VERSION, OWNING, NodeTable
 from gcache.meta.raft import ProposalFailed, RaftGroup
+from gcache.process import stop_on_signals, write_ready
 
 log = logging.getLogger("gcache.master")
 

@@ -176,7 +176,7 @@ class Handler:
             return not r.fatal
         except OSError:
             return False
-        except Exception as exc:  # a bug: answer, then drop this connection only
+        except Exception as exc:  # noqa: BLE001  (a bug: answer, then drop this connection only)
             limited.error("internal", "internal error on request %d from %s", req_id, self._peer(), exc_info=True)
             try:
                 self._reply(0, req_id, {"code": int(ErrorCode.INTERNAL), "msg": f"internal error: {exc}"}, P.FLAG_ERROR)
