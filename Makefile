@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,router,bench,ucx
 
-.PHONY: run test venv system-deps lint clean bench-peers sglang-deps package-test image-test
+.PHONY: run test venv system-deps lint typecheck clean bench-peers sglang-deps package-test image-test
 
 # pyproject.toml holds version ranges; constraints.txt the exact versions tested together.
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
@@ -64,6 +64,10 @@ image-test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check gcache router sglang_adapter tests bench
+
+# Type check (config in pyproject.toml: strict on gcache.meta, gcache.tier, gcache.client).
+typecheck: venv
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
