@@ -207,8 +207,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gcache import __version__
-    from gcache.server import daemon
+    from gcache import __version__, daemon
 
     p = argparse.ArgumentParser(prog="gcache", description="gcache: a distributed KV-cache store for LLM inference.")
     p.add_argument("--version", action="version", version=f"gcache {__version__}")

@@ -1,6 +1,6 @@
 """Typed errors. Expected outcomes (miss, full, expired) are per-key statuses, not exceptions.
 
-Transport failures are translated once, at the edge (gcache.client.connection), into these.
+Transport failures are translated once, at the edge (gcache.transport.connection), into these.
 """
 
 from __future__ import annotations

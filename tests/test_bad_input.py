@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gcache import Client, Status
 from gcache import protocol as P
-from gcache.wire import recv_exact
+from gcache.net.wire import recv_exact
 
 
 def connect(address):

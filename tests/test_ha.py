@@ -13,10 +13,10 @@ import pytest
 
 from gcache import Client, OnNodeError, ServerError, Status
 from gcache import protocol as P
-from gcache.client.connection import Connection
 from gcache.cluster import LocalCluster
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
+from gcache.transport import open_connection
 from tests.conftest import poll, sigstop
 
 
@@ -211,7 +211,7 @@ def test_stopped_daemon_never_serves_under_an_old_epoch(ha):
         down_epoch = mc.membership()["epoch"]
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    conn = Connection(victim.node_id, victim.address, 2.0, c.token)
+    conn = open_connection(victim.node_id, victim.address, 2.0, c.token)
     served_epochs, fenced = [], 0
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and len(served_epochs) < 20:
@@ -355,7 +355,7 @@ def test_a_pushed_handover_copy_never_undoes_a_clients_write_or_delete(ha):
     with Client(c.master_url, token=c.token, timeout_s=2.0) as cl:
         assert cl.put(["new", "gone"], [b"v2", b"v1"]) == [Status.OK, Status.OK]
         assert cl.delete(["gone"]) == [True]
-        conn = Connection(node.node_id, node.address, 2.0, c.token)
+        conn = open_connection(node.node_id, node.address, 2.0, c.token)
         deadline = time.monotonic() + 5
         keys = [b"new", b"gone", b"fresh"]
         conn.send(P.Op.PUT, {"ns": "default", "keys": keys, "sizes": [2, 2, 2], "ho": 1},

@@ -17,7 +17,7 @@ import pytest
 from gcache import Client, LocalPath, Status
 from gcache import protocol as P
 from gcache.cluster import LocalCluster
-from gcache.wire import recv_exact
+from gcache.net.wire import recv_exact
 
 MiB = 1 << 20
 

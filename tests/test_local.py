@@ -14,8 +14,8 @@ import xxhash
 
 from gcache import Client, ConnectionFailed, LocalPath, Status
 from gcache import protocol as P
-from gcache.client.connection import Connection, is_local_host
-from gcache.server.local import unix_name
+from gcache.net.address import is_local_host, unix_name
+from gcache.transport import open_connection
 
 
 def poll(pred, timeout):
@@ -129,7 +129,7 @@ def test_readers_racing_an_evicting_writer_never_see_torn_values(make_cluster):
 
 
 def raw_local(addr, token=None):
-    conn = Connection("n", addr, 2.0, token, unix=unix_name(addr))
+    conn = open_connection("n", addr, 2.0, token, local=True)
     conn._timeout = 2.0
     return conn
 
@@ -154,11 +154,10 @@ def test_a_read_whose_lease_expired_is_reported_invalid(make_cluster):
 
 CLIENT_SCRIPT = r"""
 import sys, time
-from gcache.client.connection import Connection
-from gcache.server.local import unix_name
+from gcache.transport import open_connection
 from gcache import protocol as P
 addr = sys.argv[1]
-conn = Connection("n", addr, 2.0, None, unix=unix_name(addr)); conn._timeout = 2.0
+conn = open_connection("n", addr, 2.0, None, local=True)
 r = conn.call(P.Op.LALLOC, {"ns": "default", "keys": [b"a", b"b"], "sizes": [1 << 20, 1 << 20]},
               time.monotonic() + 2)
 print(r["ls"], flush=True)
@@ -217,10 +216,9 @@ def test_local_socket_is_not_on_the_filesystem_and_requires_the_token(tmp_path):
 READER_SCRIPT = r"""
 import ctypes, mmap, os, sys, time
 import numpy as np
-from gcache.client.connection import Connection
-from gcache.server.local import unix_name
+from gcache.transport import open_connection
 addr, off = sys.argv[1], int(sys.argv[2])
-conn = Connection("n", addr, 2.0, None, unix=unix_name(addr)); conn._timeout = 2.0
+conn = open_connection("n", addr, 2.0, None, local=True)
 meta, fd = conn.map_arena(time.monotonic() + 2)  # what a reader is handed
 print("mode", oct(os.fstat(fd).st_mode & 0o777), flush=True)  # not 0777: other users cannot reopen it rw
 try:

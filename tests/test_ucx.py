@@ -108,7 +108,7 @@ def test_round_trip_1B_to_4MiB_byte_exact_over_three_daemons(ucx_cluster):
         assert sum(s["ram_keys"] for s in stats.values()) == n + 1
         assert all(s["ram_keys"] > n / 6 for s in stats.values())  # spread over all three
         conns = [c for idle in client._pool._idle.values() for c in idle]
-        assert conns and all(type(c.sock).__name__ == "UcxSocket" for c in conns)
+        assert conns and all(type(c.stream).__name__ == "UcxStream" for c in conns)
 
 
 def test_misses_refusals_and_small_buffers_keep_the_connection_in_sync(ucx_cluster):

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from gcache.wire import recv_exact, send_all, tune
+from gcache.net.wire import recv_exact, send_all, tune
 
 REQ = struct.Struct("<cQ")
 

@@ -1,3 +1,4 @@
-from gcache.client.client import Client, GetResult, LocalPath, OnNodeError
+from gcache.client.client import Client, GetResult
+from gcache.client.config import ClientConfig, LocalPath, OnNodeError
 
-__all__ = ["Client", "GetResult", "LocalPath", "OnNodeError"]
+__all__ = ["Client", "ClientConfig", "GetResult", "LocalPath", "OnNodeError"]

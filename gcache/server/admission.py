@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from gcache import protocol as P
 from gcache.errors import ConfigError
+from gcache.net.wire import shutdown_quietly
 from gcache.ratelog import RateLimitedLog
-from gcache.wire import shutdown_quietly
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)

@@ -24,29 +24,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 from gcache.errors import GCacheError
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
-from gcache.protocol import Status
+from gcache.server.handover import PutFn, hand_over
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
 from gcache.server.vouch import PeerAsk, announce_epoch
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
-HANDOVER_BATCH = 32
 OWNING = ("up", "suspect")
 PROBE_REUSE_S = 0.1  # a peer's question is answered from a master round that started this recently
 
 
 class Agent:
     def __init__(self, masters: MasterClient, node_id: str, address: str, capacity: int, store: Store,
-                 token: str | None, heartbeat_s: float = 1.0, fence_after_s: float = 2.0) -> None:
+                 token: str | None, put: PutFn, heartbeat_s: float = 1.0, fence_after_s: float = 2.0) -> None:
+        """``put`` carries handover copies to their new owners (gcache.server.handover)."""
         self.masters = masters
+        self.put = put
         self.node_id = node_id
         self.address = address
         self.capacity = capacity
@@ -346,47 +346,10 @@ class Agent:
                 log.warning("handover for epoch %d failed (%s); will retry", epoch, exc)
 
     def _hand_over(self) -> int:
-        from gcache.client import Client, LocalPath, OnNodeError
-
         membership = self.membership
         ring = self._ring
         if membership is None or ring is None:
             return 0
-        by_ns: dict[str, list[bytes]] = defaultdict(list)
-        for ns, key in self.store.keys_hottest_first():
-            if ring.owner(ns, key) != self.node_id:
-                by_ns[ns].append(key)
-        moved = 0
-        with Client(membership, token=self.token, timeout_s=10.0, on_node_error=OnNodeError.MISS,
-                    local=LocalPath.OFF) as client:  # over TCP: the receiver checks each pushed copy
-            for ns, keys in by_ns.items():
-                for i in range(0, len(keys), HANDOVER_BATCH):
-                    moved += self._push(client, ns, keys[i:i + HANDOVER_BATCH])
+        moved = hand_over(self.store, membership, ring, self.node_id, self.put)
         self.keys_handed_over += moved
-        return moved
-
-    def _push(self, client: Any, ns: str, keys: list[bytes]) -> int:
-        """Put ``keys`` on their new owners with their value-metadata records (pool, chain
-        position, tail mark, what is left of the TTL, format tag), then delete each pushed value
-        here unless a newer one was written meanwhile. Returns how many moved."""
-        hits = [(k, self.store.acquire((ns, k))) for k in keys]
-        present = [(k, h, h.meta, h.seq) for k, h in hits if h is not None]
-        by_pool: dict[str | None, list[int]] = defaultdict(list)
-        for i, (_k, _h, meta, _seq) in enumerate(present):
-            by_pool[meta.pool].append(i)
-        moved = 0
-        pushed = []
-        try:
-            for pool, idxs in by_pool.items():
-                sel = [present[i] for i in idxs]
-                status = client.put([k for k, *_ in sel], [h.view for _, h, *_ in sel], namespace=ns, pool=pool,
-                                    pos=[m.pos for *_, m, _ in sel], tail=[m.tail for *_, m, _ in sel],
-                                    ttl_s=[m.ttl_s for *_, m, _ in sel], fmt=[m.fmt for *_, m, _ in sel], handover=True)
-                pushed += [(k, seq) for (k, _h, _m, seq), st in zip(sel, status) if st is Status.OK]
-        finally:
-            for _k, h, *_ in present:
-                self.store.release(h)
-        for k, seq in pushed:
-            self.store.delete((ns, k), if_seq=seq)
-            moved += 1
         return moved

@@ -63,8 +63,8 @@ def recv_until(sock: Any, view: memoryview, deadline: float) -> None:
 
 
 class FrameReader:
-    def __init__(self, sock: Any, config: AdmissionConfig, budget: MetaBudget) -> None:
-        self.sock = sock
+    def __init__(self, stream: Any, config: AdmissionConfig, budget: MetaBudget) -> None:
+        self.stream = stream
         self.config = config
         self.budget = budget
         self.hdr = memoryview(bytearray(P.HEADER_SIZE))
@@ -78,14 +78,14 @@ class FrameReader:
         """Wait for the next frame's header; False when the peer closed, vanished mid-header,
         or (unauthenticated) stayed silent past the handshake timeout."""
         try:
-            n = self.sock.recv_into(self.hdr)
+            n = self.stream.recv_into(self.hdr)
         except OSError:
             return False
         if n == 0:
             return False
         if n < P.HEADER_SIZE:
             try:
-                recv_until(self.sock, self.hdr[n:], time.monotonic() + self.config.frame_timeout_s)
+                recv_until(self.stream, self.hdr[n:], time.monotonic() + self.config.frame_timeout_s)
             except OSError as exc:
                 limited.info("torn-header", "closed a connection that sent %d of a frame header's %d bytes: %s",
                              n, P.HEADER_SIZE, exc)
@@ -129,14 +129,14 @@ class FrameReader:
 
     def _fill(self, view: memoryview, deadline: float | None = None) -> None:
         n = 0
-        if self.sock.gettimeout() is None:  # the common case: the metadata came with the header
+        if self.stream.gettimeout() is None:  # the common case: the metadata came with the header
             try:
-                n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                n = self.stream.recv_into(view, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 n = 0
             if n == len(view):
                 return
-        recv_until(self.sock, view[n:], deadline or time.monotonic() + self.config.frame_timeout_s)
+        recv_until(self.stream, view[n:], deadline or time.monotonic() + self.config.frame_timeout_s)
 
     def done(self) -> None:
         """The request is over: give its metadata budget back."""

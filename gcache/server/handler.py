@@ -9,13 +9,17 @@ only this connection is affected.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
-import socket
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gcache import protocol as P
+from gcache.net.stream import Stream
+from gcache.net.wire import drain, recv_exact, send_all
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
@@ -23,7 +27,6 @@ from gcache.server.framing import FrameReader, Refused
 from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Store
 from gcache.tier.valuemeta import parse_value_meta
-from gcache.wire import drain, recv_exact, send_all
 
 if TYPE_CHECKING:
     from gcache.server.agent import Agent
@@ -42,33 +45,64 @@ def value_meta_list(got: list[Hit | None]) -> list:
     return [h.meta.to_wire() if h is not None else None for h in got]
 
 
-__all__ = ["Handler", "Refused", "parse_pool_meta"]
+__all__ = ["Handler", "OpFn", "Refused", "ServerContext", "parse_pool_meta"]
+
+# A request handler for one opcode: (the connection's Handler, request id, metadata). It answers
+# with handler.reply() (or not at all, for FLAG_NOREPLY requests) and refuses by raising Refused.
+OpFn = Callable[["Handler", int, dict[str, Any]], None]
+
+
+@dataclass
+class ServerContext:
+    """What every connection handler of one daemon shares. ``agent`` (membership, fencing,
+    handover) is set by the daemon when it has masters; ``ops`` are extra opcodes every TCP
+    connection serves (UCX_CONNECT with --ucx, gcache.server.ucx_op); ``metrics`` the per-request
+    metrics when --metrics-port is given."""
+
+    store: Store
+    node_id: str
+    max_payload: int
+    token: str | None = None
+    config: AdmissionConfig = field(default_factory=AdmissionConfig)
+    budget: MetaBudget | None = None
+    agent: Agent | None = None
+    metrics: RequestMetrics | None = None
+    ops: dict[Op, OpFn] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = MetaBudget(self.config.meta_budget)
 
 
 class Handler:
-    # Per-request metrics of this daemon process, set once by gcache.server.daemon when
-    # --metrics-port is given (DataServer does not pass it per connection); None = off.
-    metrics: RequestMetrics | None = None
+    """Serves one connection (a Stream) of the daemon: frames in, replies out, in order."""
 
-    def __init__(self, sock: socket.socket, store: Store, node_id: str, max_payload: int,
-                 token: str | None = None, agent: Agent | None = None, config: AdmissionConfig | None = None,
-                 budget: MetaBudget | None = None, state: ConnState | None = None) -> None:
-        self.sock = sock
-        self.store = store
-        self.node_id = node_id
-        self.max_payload = max_payload
-        self.token = token
-        self.agent = agent
-        config = config or AdmissionConfig()
-        self.frames = FrameReader(sock, config, budget or MetaBudget(config.meta_budget))
+    def __init__(self, stream: Stream, ctx: ServerContext, state: ConnState | None = None,
+                 authed: bool = False) -> None:
+        self.stream = stream
+        self.ctx = ctx
+        self.store = ctx.store
+        self.node_id = ctx.node_id
+        self.agent = ctx.agent
+        self.metrics = ctx.metrics
+        assert ctx.budget is not None
+        self.frames = FrameReader(stream, ctx.config, ctx.budget)
         self.state = state  # what admission sees of this connection (None: not admitted, e.g. UCX's inner one)
-        self.authed = token is None
-        if not self.authed:  # an unauthenticated connection may only idle this long
-            sock.settimeout(config.handshake_timeout_s)
+        self.authed = False
+        if authed or ctx.token is None:
+            self.mark_authed()
+        else:  # an unauthenticated connection may only idle this long
+            stream.settimeout(ctx.config.handshake_timeout_s)
         self._scratch_buf: memoryview | None = None
-        self._owner_check = None
+        self._owner_check: Callable[[str, bytes], bool] | None = None
         self.req_flags = 0  # flags of the request being served
-        self.extra_ops: dict[Op, Any] = {}  # ops a subclass serves (the local path)
+        self._ops: dict[Op, Callable[[int, dict[str, Any]], None]] = {}
+        for op, fn in ctx.ops.items():
+            self.register_op(op, functools.partial(fn, self))
+
+    def register_op(self, op: Op, fn: Callable[[int, dict[str, Any]], None]) -> None:
+        """Serve ``op`` with ``fn(req_id, meta)`` on this connection (a request without payload)."""
+        self._ops[op] = fn
 
     @property
     def _scratch(self) -> memoryview:
@@ -109,8 +143,8 @@ class Handler:
                 raise Refused(ErrorCode.BAD_FRAME, str(exc), fatal=True) from None
             if version != P.VERSION:
                 raise Refused(ErrorCode.BAD_VERSION, f"protocol version {version} not supported (speak {P.VERSION})", True)
-            if payload_len > self.max_payload:
-                raise Refused(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {self.max_payload}", True)
+            if payload_len > self.ctx.max_payload:
+                raise Refused(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {self.ctx.max_payload}", True)
             if not self.authed and payload_len:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             meta = self.frames.read_meta(op, meta_len, self.authed)
@@ -120,7 +154,7 @@ class Handler:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"unknown opcode {op}") from None
             if op is Op.HELLO:
                 self._hello(meta)
-                self._reply(op, req_id, {"node": self.node_id, "v": P.VERSION})
+                self.reply(op, req_id, {"node": self.node_id, "v": P.VERSION})
                 return True
             if not self.authed:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
@@ -131,7 +165,7 @@ class Handler:
                 self._owner_check = self._ownership_rule(meta)
             else:
                 self._owner_check = None
-            extra = self.extra_ops.get(op)
+            extra = self._ops.get(op)
             if extra is not None:
                 if payload_len:
                     raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
@@ -147,7 +181,7 @@ class Handler:
                 raise Refused(ErrorCode.UNKNOWN_OP, "UCX is not enabled on this daemon (start it with --ucx)")
             if op is Op.PUT:
                 reply, consumed = self._put(meta, payload_len)
-                self._reply(op, req_id, reply)
+                self.reply(op, req_id, reply)
                 if self.metrics is not None:
                     self.metrics.observe("put", t0, len(reply["st"]), consumed)
                 return True
@@ -158,7 +192,7 @@ class Handler:
                 if self.metrics is not None:
                     self.metrics.observe("get", t0, len(meta["keys"]), 0, sent)
                 return True
-            self._reply(op, req_id, self._simple(op, meta))
+            self.reply(op, req_id, self._simple(op, meta))
             if self.metrics is not None:
                 keys = meta.get("keys")
                 self.metrics.observe(op.name.lower(), t0, len(keys) if isinstance(keys, list) else 0)
@@ -169,8 +203,8 @@ class Handler:
                 self.metrics.observe("error", t0)
             try:
                 if not r.fatal:
-                    drain(self.sock, payload_len - consumed, self._scratch)
-                self._reply(0, req_id, {"code": int(r.code), "msg": r.msg}, P.FLAG_ERROR)
+                    drain(self.stream, payload_len - consumed, self._scratch)
+                self.reply(0, req_id, {"code": int(r.code), "msg": r.msg}, P.FLAG_ERROR)
             except OSError:
                 return False
             return not r.fatal
@@ -179,7 +213,7 @@ class Handler:
         except Exception as exc:  # noqa: BLE001  (a bug: answer, then drop this connection only)
             limited.error("internal", "internal error on request %d from %s", req_id, self._peer(), exc_info=True)
             try:
-                self._reply(0, req_id, {"code": int(ErrorCode.INTERNAL), "msg": f"internal error: {exc}"}, P.FLAG_ERROR)
+                self.reply(0, req_id, {"code": int(ErrorCode.INTERNAL), "msg": f"internal error: {exc}"}, P.FLAG_ERROR)
             except OSError:
                 pass
             return False
@@ -189,15 +223,15 @@ class Handler:
     # -- membership ---------------------------------------------------------------------------
     def _hello(self, meta: dict[str, Any]) -> None:
         given = meta.get("token")
-        if self.token is not None and not (isinstance(given, str)
-                                           and hmac.compare_digest(given.encode(), self.token.encode())):
+        token = self.ctx.token
+        if token is not None and not (isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())):
             raise Refused(ErrorCode.AUTH, f"{'missing' if given is None else 'wrong'} cluster token", fatal=True)
         self.mark_authed()
 
     def mark_authed(self) -> None:
         """The peer proved the token: it may idle between requests, and it is not shed first."""
         self.authed = True
-        self.sock.settimeout(None)
+        self.stream.settimeout(None)
         if self.state is not None:
             self.state.authed = True
 
@@ -243,11 +277,11 @@ class Handler:
                 log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
             res = self.store.reserve(size, group) if st is None else st
             if isinstance(res, Status):
-                drain(self.sock, size, self._scratch)
+                drain(self.stream, size, self._scratch)
                 status.append(int(res))
             else:
                 try:
-                    recv_exact(self.sock, res.view)
+                    recv_exact(self.stream, res.view)
                 except BaseException:
                     self.store.abort(res)
                     raise
@@ -296,7 +330,7 @@ class Handler:
         try:
             if meta.get("vm"):  # the client asked for the value-metadata records too
                 reply["vm"] = value_meta_list(got)
-            self._reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
+            self.reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
             return sum(sizes)
         finally:
             for hit in hits:
@@ -359,20 +393,17 @@ class Handler:
         return ns, keys  # type: ignore[return-value]
 
     # -- replies ----------------------------------------------------------------------------
-    def _reply(self, op: int, req_id: int, meta: dict, flags: int = 0, payload: list | None = None) -> None:
+    def reply(self, op: int, req_id: int, meta: dict[str, Any], flags: int = 0,
+              payload: Sequence[memoryview] | None = None) -> None:
+        """Answer request ``req_id`` (``flags``: FLAG_ERROR for a refusal) with ``meta`` and
+        ``payload``; the daemon's epoch rides along when it has masters."""
         if self.agent is not None:
             meta["ep"] = self.agent.epoch
         raw = P.encode_meta(meta)
         payload = payload or []
         total = sum(len(v) for v in payload)
         head = P.pack_header(op, P.FLAG_REPLY | flags, req_id, len(raw), total)
-        send_all(self.sock, [head + raw, *payload])
+        send_all(self.stream, [head + raw, *payload])
 
     def _peer(self) -> str:
-        try:
-            peer = self.sock.getpeername()
-        except OSError:
-            return "?"
-        if isinstance(peer, tuple) and len(peer) >= 2:
-            return f"{peer[0]}:{peer[1]}"
-        return "local client"  # a Unix socket peer has no address"
+        return self.stream.peer()

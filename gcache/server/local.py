@@ -33,19 +33,16 @@ import time
 from typing import Any
 
 from gcache import protocol as P
+from gcache.net.address import unix_name
+from gcache.net.stream import SocketStream
+from gcache.net.wire import shutdown_quietly
 from gcache.protocol import Op, Status
-from gcache.server.admission import Admission, AdmissionConfig, ConnState
-from gcache.server.handler import Handler, Refused, value_meta_list
-from gcache.tier.store import Hit, Reservation, Store
+from gcache.server.admission import Admission, ConnState
+from gcache.server.handler import Handler, Refused, ServerContext, value_meta_list
+from gcache.tier.store import Hit, Reservation
 from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
-from gcache.wire import shutdown_quietly
 
 log = logging.getLogger(__name__)
-
-
-def unix_name(tcp_address: str) -> str:
-    """The abstract Unix socket name of the daemon listening on ``tcp_address``."""
-    return f"\0gcache/{tcp_address}"
 
 
 class _Lease:
@@ -58,17 +55,17 @@ class _Lease:
 
 
 class LocalHandler(Handler):
-    def __init__(self, sock: socket.socket, server: LocalServer, state: ConnState | None = None) -> None:
-        adm = server.admission
-        super().__init__(sock, server.store, server.node_id, server.max_payload, server.token, server.agent,
-                         adm.config, adm.budget, state)
+    def __init__(self, stream: SocketStream, server: LocalServer, state: ConnState | None = None) -> None:
+        super().__init__(stream, server.ctx, state)
+        self.unix = stream
         self.server = server
         self.lease_s = server.lease_s
         self._leases: dict[int, _Lease] = {}
         self._next_lease = 1
         self._lease_lock = threading.Lock()
-        self.extra_ops = {Op.LMAP: self._lmap, Op.LGET: self._lget, Op.LDONE: self._ldone,
-                          Op.LALLOC: self._lalloc, Op.LCOMMIT: self._lcommit}
+        for op, fn in ((Op.LMAP, self._lmap), (Op.LGET, self._lget), (Op.LDONE, self._ldone),
+                       (Op.LALLOC, self._lalloc), (Op.LCOMMIT, self._lcommit)):
+            self.register_op(op, fn)
 
     # -- leases -----------------------------------------------------------------------------
     def _new_lease(self, lease: _Lease) -> int:
@@ -113,7 +110,7 @@ class LocalHandler(Handler):
         rw = bool(meta.get("rw"))
         raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id, "rw": rw})
         head = P.pack_header(Op.LMAP, P.FLAG_REPLY, req_id, len(raw), 0)
-        socket.send_fds(self.sock, [head + raw], [self.store.arena.fd if rw else self.server.read_only_fd])
+        self.unix.send_fds([head + raw], [self.store.arena.fd if rw else self.server.read_only_fd])
 
     def _lget(self, req_id: int, meta: dict[str, Any]) -> None:
         ns, keys = self._ns_keys(meta)
@@ -130,7 +127,7 @@ class LocalHandler(Handler):
         if meta.get("vm"):
             reply["vm"] = value_meta_list(got)
         self._mark_final_misses(ns, keys, status, reply)
-        self._reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
+        self.reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
         ids = meta.get("ls")
@@ -143,7 +140,7 @@ class LocalHandler(Handler):
             if lease is not None:
                 self._drop(lease)
         if not self.req_flags & P.FLAG_NOREPLY:
-            self._reply(Op.LDONE, req_id, {"ok": held})
+            self.reply(Op.LDONE, req_id, {"ok": held})
 
     def _lalloc(self, req_id: int, meta: dict[str, Any]) -> None:
         ns, keys = self._ns_keys(meta)
@@ -172,7 +169,7 @@ class LocalHandler(Handler):
                 offs.append(res.off)
                 reservations.append((key, res))
         lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta))
-        self._reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
+        self.reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
 
     def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
         lease = self._take(meta.get("ls"))
@@ -185,19 +182,20 @@ class LocalHandler(Handler):
             else:
                 self.store.commit((lease.ns, key), res, lease.meta[i] if lease.meta else NO_META)
                 status.append(int(Status.OK))
-        self._reply(Op.LCOMMIT, req_id, {"st": status})
+        self.reply(Op.LCOMMIT, req_id, {"st": status})
 
 
 class LocalServer:
     """Accepts local clients on the abstract Unix socket; one thread per connection."""
 
-    def __init__(self, store: Store, tcp_address: str, node_id: str, max_payload: int,
-                 token: str | None = None, lease_s: float = 5.0, admission: Admission | None = None) -> None:
+    def __init__(self, ctx: ServerContext, tcp_address: str, admission: Admission, lease_s: float = 5.0) -> None:
+        """Serves the same daemon as the TCP server whose context is ``ctx`` (and shares its
+        ``admission``: one connection cap for both)."""
         import secrets
 
-        self.store, self.node_id, self.max_payload, self.token = store, node_id, max_payload, token
-        self.admission = admission or Admission(AdmissionConfig(), token_required=token is not None)
-        self.agent = None
+        self.ctx = ctx
+        self.store = store = ctx.store
+        self.admission = admission
         # memfds are created mode 0777: anyone handed the read-only descriptor could reopen it
         # read-write through /proc. 0600 leaves that to the daemon's own user (and root).
         os.fchmod(store.arena.fd, 0o600)
@@ -226,7 +224,7 @@ class LocalServer:
 
     def _serve(self, sock: socket.socket, state: ConnState) -> None:
         try:
-            handler = LocalHandler(sock, self, state)
+            handler = LocalHandler(SocketStream(sock), self, state)
             with self._lock:
                 self._handlers.add(handler)
             try:
@@ -256,7 +254,7 @@ class LocalServer:
         self._lsock.close()
         with self._lock:
             for h in self._handlers:
-                shutdown_quietly(h.sock)
+                shutdown_quietly(h.unix.sock)
         os.close(self.read_only_fd)
 
 

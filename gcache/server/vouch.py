@@ -16,9 +16,9 @@ import threading
 import time
 
 from gcache import protocol as P
-from gcache.client.connection import Connection
 from gcache.errors import GCacheError
 from gcache.server.lease import PeerAnswer
+from gcache.transport import open_connection
 
 log = logging.getLogger("gcache.agent")
 MAX_PEERS = 16  # asked per round; more owners than this: a random sample
@@ -32,7 +32,7 @@ def _ping_all(peers: dict[str, str], meta: dict, token: str | None, timeout_s: f
     def ask(node: str, address: str) -> None:
         conn = None
         try:
-            conn = Connection(node, address, max(0.05, deadline - time.monotonic()), token)
+            conn = open_connection(node, address, max(0.05, deadline - time.monotonic()), token)
             out[node] = conn.call(P.Op.PING, meta, deadline)
         except (GCacheError, OSError) as exc:
             log.debug("peer %s did not answer %s: %s", node, meta, exc)

@@ -27,11 +27,11 @@ from typing import Any
 
 from gcache import Client, OnNodeError, Status
 from gcache import protocol as P
-from gcache.client.connection import Connection
 from gcache.errors import GCacheError, ServerError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.protocol import Op
+from gcache.transport import open_connection
 
 
 def make_value(key: str, version: int, size: int) -> bytes:
@@ -206,7 +206,7 @@ class Driver:
         conn = None
         deadline = time.monotonic() + timeout
         try:
-            conn = Connection(address, address, timeout, self.token)
+            conn = open_connection(address, address, timeout, self.token)
             conn.send(P.Op.GET, {"ns": "default", "keys": [k.encode() for k in keys]}, [], deadline, timeout)
             meta, plen = conn.recv_reply(deadline)
             conn.discard(plen, deadline)

@@ -1,4 +1,8 @@
-"""``gcache daemon``: build the store, serve the data plane, stop cleanly on SIGTERM/SIGINT."""
+"""``gcache daemon``: build the store, serve the data plane, stop cleanly on SIGTERM/SIGINT.
+
+The daemon's composition root: it wires the store (gcache.tier), the servers and the agent
+(gcache.server), the handover put (gcache.client.handover) and the health endpoints (gcache.ops).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,11 @@ import logging
 import sys
 import time
 
+from gcache.client.handover import ClientPut
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
+from gcache.net.address import split_host_port
 from gcache.process import stop_on_signals, write_ready
 from gcache.server.admission import AdmissionConfig
 from gcache.server.agent import Agent
@@ -78,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gcached[%(process)d] %(levelname)s %(name)s: %(message)s")
     try:
-        host, _, port = args.listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
+        try:
+            host, port = split_host_port(args.listen, "--listen")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         config = StoreConfig(
             mem_bytes=parse_size(args.mem),
             disk_dir=args.disk,
@@ -99,37 +106,35 @@ def run(args: argparse.Namespace) -> int:
             frame_timeout_s=args.frame_timeout,
         )
         store = Store(config)
-        server = DataServer(store, host, int(port), node_id=args.node_id,
+        server = DataServer(store, host, port, node_id=args.node_id,
                             max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)
         agent = None
         if args.masters:
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
-                          config.mem_bytes + config.disk_bytes, store, token,
+                          config.mem_bytes + config.disk_bytes, store, token, ClientPut(token),
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
-            server.agent = agent
+            server.ctx.agent = agent  # the local server shares this context
         local = None
         if not args.no_local:
             if args.lease <= 0:
                 raise ConfigError("--lease must be > 0 seconds")
-            local = LocalServer(store, server.address, server.node_id, server.max_payload, token, args.lease,
-                                server.admission)
-            local.agent = agent
+            local = LocalServer(server.ctx, server.address, server.admission, args.lease)
         if args.ucx:
+            from gcache.server import ucx_op
             from gcache.transport import ucx
 
             ok, why = ucx.available()
             if not ok:
                 raise ConfigError(f"--ucx: {why}")
-            ucx.install(server)
+            ucx_op.install(server.ctx, server.host)
         metrics = None
         if args.metrics_port is not None:
             from gcache.ops.health import serve_daemon
-            from gcache.server.handler import Handler
             from gcache.server.metrics import RequestMetrics
 
             metrics = RequestMetrics(store.stats)
             serve_daemon(metrics, server, store, agent, args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
-            Handler.metrics = metrics
+            server.ctx.metrics = metrics
     except (ConfigError, OSError) as exc:
         print(f"gcache daemon: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Socket helpers shared by the daemon and the client: exact receives and scatter-gather sends.
+"""Stream helpers shared by the daemon and the client: exact receives and scatter-gather sends.
 
 Payload is moved with ``recv_into`` a memoryview of its destination and ``sendmsg`` of
 memoryviews of its source, so no bytes object of payload is ever built.
@@ -7,13 +7,23 @@ memoryviews of its source, so no bytes object of payload is ever built.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+
+class Receiver(Protocol):
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int: ...
+
+
+class Sender(Protocol):
+    def sendmsg(self, buffers: Iterable[Any], /) -> int: ...
+
 
 IOV_MAX = 1024
 DRAIN_CHUNK = 1 << 20
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: Receiver, view: memoryview) -> None:
     """Fill ``view`` completely; raises ConnectionResetError on EOF."""
     got, total = 0, len(view)
     while got < total:
@@ -23,7 +33,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
     """Read and discard ``nbytes`` (the payload of a refused value), keeping the framing in sync."""
     while nbytes > 0:
         chunk = scratch[: min(nbytes, len(scratch))]
@@ -31,7 +41,7 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
         nbytes -= len(chunk)
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+def send_all(sock: Sender, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
     """Send every buffer in order with sendmsg (scatter-gather), resuming after partial sends."""
     bufs = [b for b in buffers if len(b)]
     i = 0

@@ -1,0 +1,208 @@
+"""Running a batch: one request per owner (gcache.client.planner), all owners at once.
+
+All requests are sent before any reply is read, so the owners work in parallel and the batch
+costs one round trip. Pollable streams (TCP, Unix) are driven by one poll loop: the sends
+interleave, so a stalled owner holds up no other, then each reply is read as soon as its owner
+starts answering. Streams that are not pollable (UCX, memory) post their request at once and
+are read in the order their replies arrive. An owner without an idle connection is connected in
+a thread of its own, so one that does not answer costs only its own keys the connect timeout.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gcache.client.ops import Operation
+from gcache.client.planner import Request, misses, plan, to_fall_back, to_retry
+from gcache.client.pool import Pool
+from gcache.client.routing import RoutingView
+from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ServerError
+from gcache.meta.ring import HashRing
+from gcache.protocol import Op, Status
+from gcache.transport import Connection
+
+Job = tuple[list[int], Connection]
+
+
+class Fanout:
+    """Runs batches for one client: its pool, its deadline per batch, its membership view
+    (``view()``) and how to refresh it (``refresh()``: True if it changed; ``may_refresh()``: rate
+    limit for refreshes that replies suggest)."""
+
+    def __init__(self, pool: Pool, timeout_s: float, split_bytes: int, split_keys: int,
+                 view: Callable[[], RoutingView], refresh: Callable[[], bool], may_refresh: Callable[[], bool]) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.split_bytes, self.split_keys = split_bytes, split_keys
+        self.view, self.refresh, self.may_refresh = view, refresh, may_refresh
+
+    def run(self, op: Operation, kbytes: list[bytes]) -> list[GCacheError]:
+        """Run ``op`` over ``kbytes``; returns the owners' failures (their keys are UNAVAILABLE).
+        Keys a node refuses as NOT_OWNER (our membership was stale) are retried once on the
+        refreshed membership; for ``op.fallback``, misses during a handover are looked up on the
+        key's previous owner."""
+        failures: list[GCacheError] = []
+        final: set[int] = set()  # misses the owner says are final: no fallback (gcache.server.touchlog)
+        view = self.view()
+        deadline = time.monotonic() + self.timeout_s
+        seen = self._round(op, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
+                           failures, deadline, final)
+        if seen > view.epoch and self.may_refresh():
+            self.refresh()
+        retry = to_retry(op.status)
+        if retry and (self.view().epoch > view.epoch or self.refresh()):
+            view = self.view()
+            self._round(op, kbytes, retry, view.ring, view.addr, view.epoch, False, failures, deadline, final)
+        if op.fallback and view.prev_ring is not None and view.prev_addr:
+            missed = misses(op.status, final)
+            if missed:
+                now = view.ring.owners(op.ns, [kbytes[i] for i in missed])
+                before = view.prev_ring.owners(op.ns, [kbytes[i] for i in missed])
+                moved = to_fall_back(missed, now, before, view.prev_addr)
+                self._round(op, kbytes, moved, view.prev_ring, view.prev_addr, view.epoch, True, failures, deadline)
+        return failures
+
+    def _round(self, op: Operation, kbytes: list[bytes], which: Sequence[int], ring: HashRing, addr: dict[str, str],
+               epoch: int, fallback: bool, failures: list[GCacheError], deadline: float,
+               final: set[int] | None = None) -> int:
+        """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
+        epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead, and
+        ``op.finish_local`` copies through the mapped arena when their reply comes in."""
+        if not which:
+            return 0
+        requests = plan(which, ring.owners(op.ns, [kbytes[i] for i in which]), op.sizes,
+                        self.split_bytes, self.split_keys)
+        epochs = [0]
+        sync_jobs: dict[int, Job] = {}  # not pollable (UCX, memory): posted now, read below
+        sending: dict[int, Job] = {}
+
+        def request(idxs: list[int], conn: Connection) -> tuple[Op, dict[str, Any], list[memoryview]]:
+            meta, payload = op.request(idxs, [kbytes[i] for i in idxs])
+            if epoch:
+                meta["ep"] = epoch
+            if fallback:
+                meta["fb"] = 1
+            if conn.arena is not None and op.local_op is not None:  # the local path: slots, not payload
+                return op.local_op, meta, []
+            return op.op, meta, payload
+
+        def receive(idxs: list[int], conn: Connection) -> bool:
+            meta, plen = conn.recv_reply(deadline)
+            ep = meta.get("ep")
+            if isinstance(ep, int):
+                epochs.append(ep)
+            tomb = meta.get("tomb")
+            if final is not None and isinstance(tomb, list):
+                final.update(idxs[j] for j in tomb if isinstance(j, int) and 0 <= j < len(idxs))
+            if conn.arena is not None and op.local_op is not None:
+                op.finish_local(idxs, meta, conn, self.pool, deadline)  # copy through the mapped arena
+            else:
+                op.finish(idxs, meta, plen, conn, deadline)
+            self.pool.put(conn)
+            return True
+
+        def connect_and_call(req: Request) -> None:
+            conn = None
+            try:
+                conn = self.pool.get(req.node, addr[req.node])
+                req_op, meta, payload = request(req.idxs, conn)
+                conn.send(req_op, meta, payload, deadline, self.timeout_s)
+                receive(req.idxs, conn)
+            except GCacheError as exc:
+                self._failed(op, req.idxs, conn, exc, failures)
+
+        late: list[Request] = []  # owners without an idle connection
+        for req in requests:
+            conn = None
+            try:
+                if req.node not in addr:
+                    raise ConnectionFailed(req.node, "no address in the current membership")
+                conn = self.pool.idle(req.node, addr[req.node])
+                if conn is None:
+                    late.append(req)
+                    continue
+                req_op, meta, payload = request(req.idxs, conn)
+                conn.prepare(req_op, meta, payload, self.timeout_s)
+                if conn.stream.pollable:
+                    sending[conn.stream.fileno()] = (req.idxs, conn)
+                else:
+                    conn.send_some(deadline)  # posts the whole frame; completed when the reply is read
+                    sync_jobs[conn.stream.fileno()] = (req.idxs, conn)
+            except GCacheError as exc:
+                self._failed(op, req.idxs, conn, exc, failures)
+
+        threads = []
+        if len(late) == 1 and not sending and not sync_jobs:
+            connect_and_call(late[0])
+        else:
+            threads = [threading.Thread(target=connect_and_call, args=(r,), daemon=True) for r in late]
+            for t in threads:
+                t.start()
+        receiving = self._poll_loop(op, sending, select.POLLOUT, deadline, failures,
+                                    lambda idxs, conn: conn.send_some(deadline))
+        self._read_sync(op, sync_jobs, deadline, failures, receive)
+        self._poll_loop(op, receiving, select.POLLIN, deadline, failures, receive)
+        for t in threads:
+            t.join()
+        return max(epochs)
+
+    def _read_sync(self, op: Operation, jobs: dict[int, Job], deadline: float, failures: list[GCacheError],
+                   receive: Callable[[list[int], Connection], bool]) -> None:
+        """Read the replies of streams that are not pollable, each as it arrives."""
+        while jobs:
+            streams = [conn.stream for _idxs, conn in jobs.values()]
+            ready = type(streams[0]).wait_readable(streams, deadline)  # type: ignore[attr-defined]
+            for stream in ready:
+                idxs, conn = jobs.pop(stream.fileno())
+                try:
+                    receive(idxs, conn)
+                except GCacheError as exc:
+                    self._failed(op, idxs, conn, exc, failures)
+            if not ready:
+                for idxs, conn in jobs.values():
+                    self._failed(op, idxs, conn, CallTimeout(conn.node, self.timeout_s), failures)
+                return
+
+    def _poll_loop(self, op: Operation, conns: dict[int, Job], event: int, deadline: float,
+                   failures: list[GCacheError], step: Callable[[list[int], Connection], bool]) -> dict[int, Job]:
+        """Run ``step`` on each connection whenever it is ready for ``event`` until it returns
+        True; returns the finished ones. Connections still unfinished at the deadline fail."""
+        done: dict[int, Job] = {}
+        poller = select.poll()
+        for fd in conns:
+            poller.register(fd, event)
+        pending = dict(conns)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ev in poller.poll(remaining * 1000):
+                idxs, conn = pending[fd]
+                try:
+                    finished = step(idxs, conn)
+                except GCacheError as exc:
+                    self._failed(op, idxs, conn, exc, failures)
+                    del pending[fd]
+                    poller.unregister(fd)
+                    continue
+                if finished:
+                    done[fd] = pending.pop(fd)
+                    poller.unregister(fd)
+        for idxs, conn in pending.values():
+            self._failed(op, idxs, conn, CallTimeout(conn.node, self.timeout_s), failures)
+        return done
+
+    def _failed(self, op: Operation, idxs: list[int], conn: Connection | None, exc: GCacheError,
+                failures: list[GCacheError]) -> None:
+        for i in idxs:
+            op.status[i] = Status.UNAVAILABLE
+        failures.append(exc)
+        if conn is not None:
+            if isinstance(exc, ServerError) and not conn.broken:
+                self.pool.put(conn)  # a refusal leaves the connection in sync
+            else:
+                conn.close()

@@ -1,0 +1,123 @@
+"""Idle connections per daemon, and the mapped arenas of daemons on this host."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+
+from gcache.client.config import LocalPath
+from gcache.errors import ConnectionFailed, GCacheError, ProtocolError
+from gcache.net.address import host_of, is_local_host
+from gcache.transport import Connection, Transport, open_connection
+
+LOCAL_RETRY_S = 5.0  # after the local path to a daemon failed, TCP is used this long
+
+
+class Pool:
+    """Idle connections per node; a checked-out connection belongs to one call at a time.
+
+    With the local path on, a daemon on this host is reached over its Unix socket and its arena
+    is mapped once per daemon incarnation (shared by every connection to it)."""
+
+    def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None,
+                 local: LocalPath = LocalPath.AUTO, transport: Transport = Transport.TCP) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.token = token
+        self.local = local
+        self.transport = transport
+        self._arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}  # read-only mappings
+        self._rw_arenas: dict[str, tuple[str, mmap.mmap, memoryview]] = {}  # writable ones (puts)
+        self._no_local: dict[str, float] = {}  # node -> when the local path last failed
+        self.max_idle = max_idle_per_node
+        self._idle: dict[str, list[Connection]] = {}
+        self._lock = threading.Lock()
+
+    def idle(self, node: str, address: str) -> Connection | None:
+        """An idle connection to ``node`` that is still good, or None."""
+        with self._lock:
+            idle = self._idle.get(node)
+            while idle:
+                conn = idle.pop()
+                if conn.address == address and conn.idle_ok():
+                    return conn
+                conn.close()
+        return None
+
+    def get(self, node: str, address: str) -> Connection:
+        conn = self.idle(node, address)
+        if conn is not None:
+            return conn
+        if self.local is not LocalPath.OFF and is_local_host(host_of(address)):
+            failed = self._no_local.get(node)
+            if self.local is LocalPath.FORCE or failed is None or time.monotonic() - failed > LOCAL_RETRY_S:
+                try:
+                    return self._local_connection(node, address)
+                except GCacheError:
+                    if self.local is LocalPath.FORCE:
+                        raise
+                    self._no_local[node] = time.monotonic()
+        return open_connection(node, address, self.connect_timeout_s, self.token, self.transport)
+
+    def _local_connection(self, node: str, address: str) -> Connection:
+        """A Unix-socket connection with the daemon's arena mapped read-only (enough for gets;
+        writable_arena() maps it writable on a first put)."""
+        conn = open_connection(node, address, self.connect_timeout_s, self.token, self.transport, local=True)
+        try:
+            conn.arena, conn.arena_id = self._mapped(conn, self._arenas, False)
+        except GCacheError:
+            conn.close()
+            raise
+        return conn
+
+    def writable_arena(self, conn: Connection, deadline: float) -> memoryview:
+        """The arena of ``conn``'s daemon mapped read-write, for copying values into reserved slots."""
+        view, arena_id = self._mapped(conn, self._rw_arenas, True, deadline)
+        if arena_id != conn.arena_id:
+            conn.broken = True
+            raise ProtocolError(f"{conn.node}: the daemon's arena changed under a connection")
+        return view
+
+    def _mapped(self, conn: Connection, cache: dict[str, tuple[str, mmap.mmap, memoryview]], writable: bool,
+                deadline: float | None = None) -> tuple[memoryview, str]:
+        """The arena mapping of ``conn``'s daemon (cached per node and arena incarnation)."""
+        with self._lock:
+            cached = cache.get(conn.node)
+        if cached is not None and writable and cached[0] == conn.arena_id:
+            return cached[2], cached[0]  # the writable mapping of this incarnation: no LMAP needed
+        meta, fd = conn.map_arena(deadline or time.monotonic() + self.connect_timeout_s, writable)
+        arena_id = str(meta.get("id"))
+        if cached is not None and cached[0] == arena_id:
+            os.close(fd)
+            return cached[2], arena_id
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        try:
+            mm = mmap.mmap(fd, int(meta["size"]), mmap.MAP_SHARED, prot)
+        except (OSError, ValueError, KeyError) as exc:
+            conn.broken = True
+            raise ConnectionFailed(conn.node, f"cannot map the daemon's arena: {exc}") from None
+        finally:
+            os.close(fd)
+        view = memoryview(mm)
+        with self._lock:
+            cache[conn.node] = (arena_id, mm, view)
+        return view, arena_id
+
+    def put(self, conn: Connection) -> None:
+        if conn.broken or conn.pending:
+            conn.close()
+            return
+        with self._lock:
+            idle = self._idle.setdefault(conn.node, [])
+            if len(idle) < self.max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,67 @@
+"""Active handover: push every key this node no longer owns to its new owner, hottest first.
+
+Fed with a put function (:data:`PutFn`) rather than a client, so this module knows nothing of
+how the copies travel: the daemon wires in gcache.client.handover.ClientPut (the gcache client,
+over TCP, each copy flagged as a handover so the receiver stores it only where no client wrote
+or deleted the key meanwhile, gcache.server.touchlog). Each pushed value carries its
+value-metadata record (pool, chain position, tail mark, what is left of the TTL, format tag),
+and is deleted here once stored there, unless a newer value was written here meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from gcache.meta.membership import Membership
+from gcache.meta.ring import HashRing
+from gcache.protocol import Status
+from gcache.tier.store import Store
+from gcache.tier.valuemeta import ValueMeta
+
+BATCH = 32  # keys per push
+
+# put(membership, namespace, pool, keys, values, records) -> one Status per key: store each value
+# with its record on the key's owner under ``membership`` (all keys share ``pool``).
+PutFn = Callable[[Membership, str, "str | None", Sequence[bytes], Sequence[memoryview], Sequence[ValueMeta]],
+                 list[Status]]
+
+
+def hand_over(store: Store, membership: Membership, ring: HashRing, node_id: str, put: PutFn,
+              batch: int = BATCH) -> int:
+    """Push every key of ``store`` that ``ring`` says ``node_id`` no longer owns; returns how
+    many moved. A put error propagates (the caller retries the whole handover later)."""
+    by_ns: dict[str, list[bytes]] = defaultdict(list)
+    for ns, key in store.keys_hottest_first():
+        if ring.owner(ns, key) != node_id:
+            by_ns[ns].append(key)
+    moved = 0
+    for ns, keys in by_ns.items():
+        for i in range(0, len(keys), batch):
+            moved += push(store, membership, ns, keys[i:i + batch], put)
+    return moved
+
+
+def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], put: PutFn) -> int:
+    """Put ``keys`` on their new owners, then delete each pushed value here unless a newer one
+    was written meanwhile. Returns how many moved."""
+    present = []
+    for k in keys:
+        hit = store.acquire((ns, k))
+        if hit is not None:
+            present.append((k, hit))
+    by_pool: dict[str | None, list[int]] = defaultdict(list)
+    for i, (_k, hit) in enumerate(present):
+        by_pool[hit.meta.pool].append(i)
+    pushed: list[tuple[bytes, int]] = []
+    try:
+        for pool, idxs in by_pool.items():
+            sel = [present[i] for i in idxs]
+            status = put(membership, ns, pool, [k for k, _ in sel], [h.view for _, h in sel], [h.meta for _, h in sel])
+            pushed += [(k, h.seq) for (k, h), st in zip(sel, status) if st is Status.OK]
+    finally:
+        for _k, hit in present:
+            store.release(hit)
+    for k, seq in pushed:
+        store.delete((ns, k), if_seq=seq)
+    return len(pushed)

@@ -1,0 +1,220 @@
+"""The caller's side of the gcache protocol over one Stream: framed requests, replies in order.
+
+Stream failures are translated here, once, into gcache's typed errors. Every operation runs
+against a deadline; a connection that failed mid-frame is closed, never reused. Used by the
+client's pool and by daemons asking their peers (gcache.server.vouch).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from gcache import protocol as P
+from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
+from gcache.net.stream import SocketStream, Stream
+from gcache.net.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all
+
+
+class Connection:
+    """Requests to one daemon over ``stream`` (already connected; see gcache.transport.open_connection)."""
+
+    def __init__(self, node: str, address: str, stream: Stream, timeout_s: float) -> None:
+        self.node = node
+        self.address = address
+        self.stream = stream
+        self.broken = False
+        self._hdr = memoryview(bytearray(P.HEADER_SIZE))
+        self._next_id = 1
+        self._pending: list[int] = []
+        self._out: list[Any] = []
+        self._out_i = 0
+        self._timeout = timeout_s
+        self.arena: memoryview | None = None  # the daemon's arena, mapped read-only (local path only)
+        self.arena_id = ""  # which incarnation of the daemon's arena that is
+        self.last_epoch = 0
+
+    def hello(self, token: str | None, deadline: float) -> None:
+        """The data-plane handshake: prove the cluster token once (nothing to do without one).
+        On failure the connection is closed and the typed error raised."""
+        if token is None:
+            return
+        try:
+            self.call(P.Op.HELLO, {"token": token}, deadline)
+        except GCacheError:
+            self.close()
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """Whether a request on this connection is still unanswered."""
+        return bool(self._pending)
+
+    def __repr__(self) -> str:
+        return f"Connection(node={self.node!r}, broken={self.broken}, pending={len(self._pending)})"
+
+    @contextmanager
+    def _io(self, deadline: float) -> Iterator[None]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.broken = True
+            raise CallTimeout(self.node, self._timeout)
+        self.stream.settimeout(remaining)
+        try:
+            yield
+        except TimeoutError:
+            self.broken = True
+            raise CallTimeout(self.node, self._timeout) from None
+        except OSError as exc:
+            self.broken = True
+            raise ConnectionFailed(self.node, str(exc) or type(exc).__name__) from None
+
+    def prepare(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], timeout_s: float) -> int:
+        """Queue one request frame for send_some(); returns its request id."""
+        self._timeout = timeout_s
+        raw = P.encode_meta(meta)
+        total = sum(len(v) for v in payload)
+        req_id = self._next_id
+        self._next_id += 1
+        self._out = [P.pack_header(op, 0, req_id, len(raw), total) + raw, *(v for v in payload if len(v))]
+        self._out_i = 0
+        self._pending.append(req_id)
+        return req_id
+
+    def send_some(self, deadline: float) -> bool:
+        """Send queued bytes without blocking; True once the whole frame is out."""
+        with self._io(deadline):
+            self.stream.setblocking(False)
+            out, i = self._out, self._out_i
+            try:
+                while i < len(out):
+                    sent = self.stream.sendmsg(out[i : i + IOV_MAX])
+                    while sent:
+                        if sent >= len(out[i]):
+                            sent -= len(out[i])
+                            i += 1
+                        else:
+                            out[i] = memoryview(out[i])[sent:]
+                            sent = 0
+            except BlockingIOError:
+                pass
+            self._out_i = i
+            if i == len(out):
+                self._out = []
+                return True
+            return False
+
+    def send_oneway(self, op: int, meta: dict[str, Any], deadline: float) -> None:
+        """A request the daemon does not answer (FLAG_NOREPLY)."""
+        raw = P.encode_meta(meta)
+        with self._io(deadline):
+            send_all(self.stream, [P.pack_header(op, P.FLAG_NOREPLY, 0, len(raw), 0) + raw])
+
+    def send(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], deadline: float,
+             timeout_s: float) -> int:
+        """Send one whole request frame (blocking until the deadline)."""
+        req_id = self.prepare(op, meta, payload, timeout_s)
+        with self._io(deadline):
+            send_all(self.stream, self._out)
+        self._out = []
+        return req_id
+
+    def recv_reply(self, deadline: float) -> tuple[dict[str, Any], int]:
+        """Header and metadata of the next reply: (meta, payload length). An ERROR reply raises
+        ServerError (the connection stays usable: error replies carry no payload)."""
+        with self._io(deadline):
+            recv_exact(self.stream, self._hdr)
+            try:
+                version, _op, flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
+            except ValueError as exc:
+                self.broken = True
+                raise ProtocolError(f"{self.node}: {exc}") from None
+            expected = self._pending.pop(0) if self._pending else None
+            if version != P.VERSION or not flags & P.FLAG_REPLY or req_id not in (expected, 0):
+                self.broken = True
+                raise ProtocolError(f"{self.node}: unexpected reply (version {version}, id {req_id}, "
+                                    f"expected {expected})")
+            raw = bytearray(meta_len)
+            recv_exact(self.stream, memoryview(raw))
+        try:
+            meta = P.decode_meta(raw)
+        except ValueError as exc:
+            self.broken = True
+            raise ProtocolError(f"{self.node}: {exc}") from None
+        if flags & P.FLAG_ERROR:
+            if req_id == 0 or payload_len:
+                self.broken = True
+            raise ServerError(self.node, int(meta.get("code", 0)), str(meta.get("msg", "refused")))
+        return meta, payload_len
+
+    def call(self, op: int, meta: dict[str, Any], deadline: float, keep_payload: bool = False) -> dict[str, Any]:
+        """One request without payload, and its reply's metadata. Unless ``keep_payload``, a reply
+        payload is an error. The reply's epoch is kept in ``last_epoch``."""
+        self.send(op, meta, [], deadline, self._timeout)
+        reply, plen = self.recv_reply(deadline)
+        if plen and not keep_payload:
+            self.broken = True
+            raise ProtocolError(f"{self.node}: unexpected payload in a {P.Op(op).name} reply")
+        ep = reply.get("ep")
+        if isinstance(ep, int):
+            self.last_epoch = ep
+        return reply
+
+    def map_arena(self, deadline: float, writable: bool = False) -> tuple[dict[str, Any], int]:
+        """LMAP: a descriptor of the daemon's arena memfd (passed over SCM_RIGHTS) and {"size",
+        "id"}; a read-only one unless ``writable``. Only over a Unix socket stream."""
+        stream = self.stream
+        if not isinstance(stream, SocketStream):
+            raise ConnectionFailed(self.node, "the local path needs a Unix socket stream")
+        self.send(P.Op.LMAP, {"rw": True} if writable else {}, [], deadline, self._timeout)
+        buf, fds = bytearray(), []
+        with self._io(deadline):
+            need = P.HEADER_SIZE
+            while len(buf) < need:
+                msg, got = stream.recv_fds(65536, 1)
+                if not msg:
+                    raise ConnectionResetError("peer closed the connection during LMAP")
+                buf += msg
+                fds += got
+                if len(buf) >= P.HEADER_SIZE:
+                    need = P.HEADER_SIZE + P.unpack_header(buf[: P.HEADER_SIZE])[4]
+        self._pending.pop(0)
+        _v, _op, flags, _rid, _mlen, _plen = P.unpack_header(buf[: P.HEADER_SIZE])
+        meta = P.decode_meta(bytes(buf[P.HEADER_SIZE:need]))
+        if flags & P.FLAG_ERROR or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise ServerError(self.node, int(meta.get("code", 0)), str(meta.get("msg", "no arena descriptor")))
+        for fd in fds[1:]:
+            os.close(fd)
+        return meta, fds[0]
+
+    def recv_into(self, view: memoryview, deadline: float) -> None:
+        with self._io(deadline):
+            recv_exact(self.stream, view)
+
+    def discard(self, nbytes: int, deadline: float) -> None:
+        with self._io(deadline):
+            drain(self.stream, nbytes, memoryview(bytearray(min(nbytes, DRAIN_CHUNK))))
+
+    def idle_ok(self) -> bool:
+        """An idle connection must have nothing to read: readable means the daemon closed it
+        (it restarted or died), so it must not be reused."""
+        return self.stream.idle_ok()
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            if self._pending:
+                # A request is still unanswered (timed out, or failed mid-frame): reset rather
+                # than close, so the kernel drops what it has not delivered yet instead of
+                # retransmitting it once the path heals. A write given up on must not land
+                # after a newer one to the same key.
+                self.stream.abort()
+            else:
+                self.stream.close()
+        except OSError:
+            pass
