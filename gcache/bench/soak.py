@@ -33,7 +33,7 @@ import xxhash
 from gcache.client.client import Client, LocalPath, OnNodeError
 from gcache.cluster import LocalCluster
 from gcache.errors import GCacheError
-from gcache.protocol import Op, Status
+from gcache.protocol import Status
 
 HEAD = struct.Struct("<4sIQQ")  # magic, key id, write id, xxh3 of (key id, write id, payload)
 MAGIC = b"SOAK"
@@ -262,7 +262,7 @@ class Worker:
             wids.append(st.issued[k])
         try:
             # the per-key statuses (Client.delete folds UNAVAILABLE into False)
-            status = self.client._keys_only(Op.DELETE, [key_name(k) for k in keys], None)
+            status = self.client.delete_status([key_name(k) for k in keys])
         except GCacheError:
             status = [Status.UNAVAILABLE] * len(keys)
         self.report.ops += len(keys)

@@ -23,8 +23,9 @@ from gcache.client.pool import Pool
 from gcache.client.replies import Dest, parts
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.client.staging import StagingPool, is_device_tensor
+from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
-from gcache.meta.master_client import SCHEME, MasterClient
+from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.rpc import load_token
 from gcache.protocol import Op, Status, namespace_error
@@ -222,9 +223,14 @@ class Client:
 
     def delete(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
         """True for each key that existed."""
+        return [s is Status.OK for s in self.delete_status(keys, namespace=namespace)]
+
+    def delete_status(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[Status]:
+        """Delete, with each key's Status: OK (it existed), NOT_FOUND, or (with OnNodeError.MISS)
+        UNAVAILABLE when its owner failed, so the delete may not have happened."""
         op = Operation(Op.DELETE, namespace or self.namespace, len(keys))
         self._run(op, keys)
-        return [s is Status.OK for s in op.status]
+        return op.status
 
     # -- single-key forms (batches of one) --------------------------------------------------
     def put_one(self, key: KeyLike, value: Any, *, ttl_s: float = 0.0, namespace: str | None = None) -> Status:
@@ -282,8 +288,9 @@ class Client:
                 self._staging = StagingPool()
             return self._staging
 
-    def _each_node(self, op: Op, pick: Callable[[dict], dict], only: str | None = None) -> dict[str, dict]:
-        out: dict[str, dict] = {}
+    def _each_node(self, op: Op, pick: Callable[[dict[str, Any]], dict[str, Any]],
+                   only: str | None = None) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + self.timeout_s
         for node, address in list(self._view.addr.items()):
             if only is not None and node != only:

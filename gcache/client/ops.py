@@ -64,10 +64,11 @@ class PutOp(Operation):
         self.fields = fields  # ttl / fmt / pos / tail: a list (per key) or one value (all keys)
         self.pool = pool
         self.handover = handover
-        self.sizes = [sum(map(len, v)) for v in views]
+        self.value_sizes = [sum(map(len, v)) for v in views]
+        self.sizes = self.value_sizes
 
     def request(self, idxs: list[int], kb: list[bytes]) -> tuple[Meta, list[memoryview]]:
-        meta: Meta = {"ns": self.ns, "keys": kb, "sizes": [self.sizes[i] for i in idxs]}
+        meta: Meta = {"ns": self.ns, "keys": kb, "sizes": [self.value_sizes[i] for i in idxs]}
         for name, value in self.fields.items():
             if isinstance(value, list):
                 meta[name] = [value[i] for i in idxs]

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -55,7 +56,7 @@ class MembershipWatcher:
         self.masters = masters
         self.on_update = on_update
         self._stop = threading.Event()
-        self._calls: list = []
+        self._calls: list[Any] = []
         self._thread = threading.Thread(target=self._run, name="gcache-watch", daemon=True)
 
     def start(self) -> MembershipWatcher:

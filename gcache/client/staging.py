@@ -31,7 +31,7 @@ def is_device_tensor(obj: Any) -> bool:
     """A torch tensor or cupy array that lives on a GPU."""
     mod = type(obj).__module__
     if mod.startswith("torch"):
-        return obj.device.type != "cpu"
+        return bool(obj.device.type != "cpu")
     return mod.startswith("cupy")
 
 
@@ -43,7 +43,7 @@ class TorchCopier:
 
         self.torch = torch
         self.cuda = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.stream = torch.cuda.Stream() if self.cuda else None  # type: ignore[no-untyped-call]
 
     def host_buffer(self, nbytes: int) -> Any:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=self.cuda)
@@ -74,7 +74,7 @@ class TorchCopier:
             self.stream.synchronize()
 
     def nbytes(self, t: Any) -> int:
-        return t.numel() * t.element_size()
+        return int(t.numel() * t.element_size())
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class StagingPool:
                     self._fill(plan[c + 1], self._buffers[(c + 1) % nbuf], tensors, sizes)
                 views = self._views(self._buffers[c % nbuf], idxs, sizes)
                 per_chunk = {k: [v[i] for i in idxs] if isinstance(v, list) else v for k, v in kw.items()}
-                for i, st in zip(idxs, client.put([keys[i] for i in idxs], views, **per_chunk)):
+                for i, st in zip(idxs, client.put([keys[i] for i in idxs], views, **per_chunk)):  # type: ignore[arg-type]
                     status[i] = st
                 self.chunks_moved += 1
         return status

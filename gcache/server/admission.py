@@ -172,11 +172,11 @@ class Admission:
                 self._shedding += 1
                 self.shed_total += 1
                 victims.append(victim)
+            state: ConnState | None = None
             if len(self) < cap:
-                state: ConnState | None = ConnState(sock, not self.token_required)
+                state = ConnState(sock, not self.token_required)
                 self._conns.add(state)
             else:
-                state = None
                 self.refused_total += 1
         for victim in victims:
             shutdown_quietly(victim.sock)  # its handler sees EOF, closes, and releases it

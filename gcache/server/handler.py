@@ -248,7 +248,7 @@ class Handler:
 
     def _key_status(self, ns: str, key: object) -> Status | None:
         """BAD_KEY or NOT_OWNER for a key this request must not touch, else None."""
-        if P.key_error(key):
+        if P.key_error(key) or not isinstance(key, bytes):
             return Status.BAD_KEY
         if self._owner_check is not None and not self._owner_check(ns, key):
             return Status.NOT_OWNER
@@ -288,7 +288,7 @@ class Handler:
                 args = ((ns, key), res, vmeta[i])
                 if handover:
                     assert log_ is not None  # stored only where no client wrote or deleted it first
-                    if not log_.admit((ns, key), self.store.exists, lambda a=args: self.store.commit(*a)):
+                    if not log_.admit((ns, key), self.store.exists, functools.partial(self.store.commit, *args)):
                         self.store.abort(res)  # superseded here: as good as handed over
                 else:
                     self.store.commit(*args)
@@ -338,21 +338,21 @@ class Handler:
 
     def _simple(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         if op is Op.PING:
-            out: dict[str, Any] = {"node": self.node_id, "v": P.VERSION}
+            pong: dict[str, Any] = {"node": self.node_id, "v": P.VERSION}
             if self.agent is not None:
                 ep = meta.get("ep")
                 if isinstance(ep, int) and ep > self.agent.epoch:  # a peer announces a newer epoch
                     self.agent.note_epoch(ep)
                 if meta.get("probe"):  # a peer's lease probe (gcache.server.vouch)
-                    out["lead"] = self.agent.leader_reachable()
-            return out
+                    pong["lead"] = self.agent.leader_reachable()
+            return pong
         if op is Op.STATS:
-            stats = self.store.stats()
+            stats: dict[str, Any] = dict(self.store.stats())
             if self.metrics is not None and self.metrics.address:
                 stats["metrics_address"] = self.metrics.address  # `gcache stats` scrapes it
             return {"node": self.node_id, "stats": stats}
         ns, keys = self._ns_keys(meta)
-        fn = self.store.exists if op is Op.EXISTS else self.store.delete
+        fn: Callable[[tuple[str, bytes]], bool] = self.store.exists if op is Op.EXISTS else self.store.delete
         if op is Op.EXISTS and "tail" in meta:  # re-mark restore-point pages of a pool
             pooled = parse_pool_meta(meta, len(keys), "EXISTS")
             if isinstance(pooled, str):
@@ -360,7 +360,7 @@ class Handler:
             marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
             fn = lambda k: self.store.exists(k, marks.get(k[1]))
         log_ = self.agent.touchlog if self.agent is not None and op is Op.DELETE else None
-        out = []
+        out: list[int] = []
         for k in keys:
             refused = self._key_status(ns, k)
             if refused is None and log_ is not None:

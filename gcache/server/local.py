@@ -153,7 +153,9 @@ class LocalHandler(Handler):
             raise Refused(P.ErrorCode.BAD_META, f"LALLOC {vmeta}")
         pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
-        status, offs, reservations = [], [], []
+        status: list[int] = []
+        offs: list[int] = []
+        reservations: list[tuple[bytes, Reservation | None]] = []
         log_ = self.agent.touchlog if self.agent is not None else None
         for key, size in zip(keys, sizes):
             refused = self._key_status(ns, key)

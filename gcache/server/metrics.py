@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -88,7 +89,7 @@ class RequestMetrics:
         if stats is not None:
             self.registry.register(StoreCollector(stats))
         self.address = ""
-        self._server = None
+        self._server: Any = None  # the WSGI server, once serving
 
     def observe(self, op: str, t0: float, nkeys: int = 0, bytes_in: int = 0, bytes_out: int = 0) -> None:
         """Count one served request that started at ``time.perf_counter() == t0``."""
@@ -106,8 +107,9 @@ class RequestMetrics:
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> str:
         """Serve /metrics on host:port (0 picks a free port); returns "host:port"."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.address = f"{host}:{self._server.server_port}"
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        self.address = f"{host}:{server.server_port}"
         return self.address
 
     def stop(self) -> None:
@@ -162,7 +164,8 @@ def cluster_table(endpoints: dict[str, str]) -> str:
 
     head = (f"{'node':<22} {'requests':>9} {'keys':>9} {'in':>9} {'out':>9} {'get p50':>8} {'get p99':>8} "
             f"{'hit ram':>8} {'hit nvme':>8} {'evicted':>8} {'demoted':>8} {'ram used':>9} {'disk used':>9}")
-    rows, tot = [head], {}
+    rows: list[str] = [head]
+    tot: dict[str, float] = {}
     for node, addr in sorted(endpoints.items()):
         try:
             m = scrape(addr)

@@ -140,7 +140,7 @@ class Connection:
             raw = bytearray(meta_len)
             recv_exact(self.stream, memoryview(raw))
         try:
-            meta = P.decode_meta(raw)
+            meta = P.decode_meta(memoryview(raw))
         except ValueError as exc:
             self.broken = True
             raise ProtocolError(f"{self.node}: {exc}") from None

@@ -30,7 +30,6 @@ from gcache import protocol as P
 from gcache.errors import GCacheError, ServerError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
-from gcache.protocol import Op
 from gcache.transport import open_connection
 
 
@@ -103,7 +102,7 @@ class Load:
             self.next_version += len(keys)
         t0 = time.monotonic()
         if delete:  # OK (it was there) and NOT_FOUND are both acknowledgements; the rest are not
-            st = self.writer_client._keys_only(Op.DELETE, keys, None)
+            st = self.writer_client.delete_status(keys)
             acked = [s in (Status.OK, Status.NOT_FOUND) for s in st]
         else:
             st = self.writer_client.put(keys, [make_value(k, v, self.size) for k, v in zip(keys, versions)])

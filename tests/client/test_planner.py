@@ -1,0 +1,48 @@
+"""The fan-out planner alone: pure functions, no sockets."""
+
+from gcache.client.planner import Request, by_owner, misses, plan, split, to_fall_back, to_retry
+from gcache.protocol import Status
+
+
+def test_by_owner_keeps_batch_order_per_owner():
+    assert by_owner([0, 1, 2, 3, 4], ["a", "b", "a", "c", "b"]) == {"a": [0, 2], "b": [1, 4], "c": [3]}
+    assert by_owner([], []) == {}
+
+
+def test_by_owner_over_a_subset_of_positions():
+    assert by_owner([3, 7, 9], ["x", "x", "y"]) == {"x": [3, 7], "y": [9]}
+
+
+def test_split_by_key_count_without_sizes():
+    assert split(list(range(5)), None, 1 << 20, 2) == [[0, 1], [2, 3], [4]]
+    assert split([4, 9], None, 1 << 20, 64) == [[4, 9]]
+
+
+def test_split_by_bytes_when_sizes_are_known():
+    sizes = [3, 3, 3, 10, 1]
+    # at most 6 bytes per request; a value larger than the limit still goes, alone
+    assert split([0, 1, 2, 3, 4], sizes, 6, 64) == [[0, 1], [2], [3], [4]]
+    # sizes decide, not the key count
+    assert split([0, 1, 2], sizes, 100, 1) == [[0, 1, 2]]
+
+
+def test_plan_one_request_per_owner_and_chunk():
+    reqs = plan([0, 1, 2, 3], ["a", "b", "a", "a"], None, 1 << 20, 2)
+    assert reqs == [Request("a", [0, 2]), Request("a", [3]), Request("b", [1])]
+
+
+def test_retry_only_not_owner():
+    st = [Status.OK, Status.NOT_OWNER, Status.NOT_FOUND, Status.NOT_OWNER, Status.UNAVAILABLE]
+    assert to_retry(st) == [1, 3]
+
+
+def test_misses_skip_final_ones():
+    st = [Status.NOT_FOUND, Status.OK, Status.NOT_FOUND, Status.NOT_FOUND]
+    assert misses(st, final={2}) == [0, 3]
+
+
+def test_fall_back_only_where_the_owner_changed_and_the_old_one_is_reachable():
+    which = [0, 3, 5, 6]
+    now = ["a", "b", "c", "d"]
+    before = ["a", "x", "y", "z"]  # 0: same owner; 3: moved from x; 5: from y (gone); 6: from z
+    assert to_fall_back(which, now, before, {"x": "h:1", "z": "h:2"}) == [3, 6]

@@ -1,0 +1,135 @@
+"""The daemon's Handler and the client's Connection and fan-out over in-memory streams: protocol
+behaviour without processes or sockets."""
+
+import threading
+import time
+
+import pytest
+
+from gcache import protocol as P
+from gcache.client import Client, ClientConfig, OnNodeError
+from gcache.errors import ConnectionFailed, ServerError
+from gcache.protocol import Op, Status
+from gcache.server.handler import Handler, ServerContext
+from gcache.tier.store import Store, StoreConfig
+from gcache.transport import Connection, Transport, open_connection
+from gcache.transport.memory import MemoryStream
+from tests.server.memory_daemon import memory_cluster, serve_then_close
+
+MEM = ClientConfig(transport=Transport.MEMORY, token="t0k")
+
+
+@pytest.fixture
+def served():
+    """A Handler serving one end of a memory pair; the test holds the other end."""
+    store = Store(StoreConfig(mem_bytes=8 << 20, pretouch=False))
+    ctx = ServerContext(store, "n1", 1 << 20, token="secret")
+    client_end, server_end = MemoryStream.pair()
+    t = threading.Thread(target=serve_then_close, args=(Handler(server_end, ctx),), daemon=True)
+    t.start()
+    yield client_end, store, t
+    client_end.close()
+    t.join(5)
+    store.close()
+
+
+def test_put_get_exists_delete_over_one_connection(served):
+    stream, store, _t = served
+    conn = Connection("n1", "n1:1", stream, 2.0)
+    deadline = time.monotonic() + 5
+    conn.hello("secret", deadline)
+    value = memoryview(b"v" * 1000)
+    conn.send(Op.PUT, {"ns": "a", "keys": [b"k1", b"k2"], "sizes": [1000, 0]}, [value], deadline, 2.0)
+    meta, plen = conn.recv_reply(deadline)
+    assert meta["st"] == [Status.OK, Status.OK] and plen == 0
+    conn.send(Op.GET, {"ns": "a", "keys": [b"k1", b"nope"]}, [], deadline, 2.0)
+    meta, plen = conn.recv_reply(deadline)
+    assert meta["st"] == [Status.OK, Status.NOT_FOUND] and meta["sz"] == [1000, 0] and plen == 1000
+    got = memoryview(bytearray(1000))
+    conn.recv_into(got, deadline)
+    assert bytes(got) == bytes(value)
+    assert conn.call(Op.EXISTS, {"ns": "a", "keys": [b"k2"]}, deadline)["st"] == [Status.OK]
+    assert conn.call(Op.DELETE, {"ns": "a", "keys": [b"k1", b"k1x"]}, deadline)["st"] == [Status.OK, Status.NOT_FOUND]
+    assert store.acquire(("a", b"k1")) is None
+
+
+def test_wrong_token_is_refused_and_the_connection_closed(served):
+    stream, _store, handler_thread = served
+    conn = Connection("n1", "n1:1", stream, 2.0)
+    with pytest.raises(ServerError) as err:
+        conn.hello("wrong", time.monotonic() + 5)
+    assert err.value.code == P.ErrorCode.AUTH
+    handler_thread.join(5)
+    assert not handler_thread.is_alive()  # the daemon hung up
+
+
+def test_refused_request_keeps_the_connection_in_sync(served):
+    stream, _store, _t = served
+    conn = Connection("n1", "n1:1", stream, 2.0)
+    deadline = time.monotonic() + 5
+    conn.hello("secret", deadline)
+    # sizes do not add up to the payload: refused, payload drained, connection still usable
+    conn.send(Op.PUT, {"ns": "a", "keys": [b"k"], "sizes": [5]}, [memoryview(b"abc")], deadline, 2.0)
+    with pytest.raises(ServerError) as err:
+        conn.recv_reply(deadline)
+    assert err.value.code == P.ErrorCode.BAD_META
+    assert conn.call(Op.PING, {}, deadline)["node"] == "n1"
+
+
+def test_bad_magic_is_answered_then_closed(served):
+    stream, _store, _t = served
+    stream.sendmsg([b"XXXX" + bytes(P.HEADER_SIZE - 4)])
+    hdr = memoryview(bytearray(P.HEADER_SIZE))
+    stream.settimeout(5)
+    n = 0
+    while n < P.HEADER_SIZE:
+        n += stream.recv_into(hdr[n:])
+    _v, _op, flags, _rid, mlen, _plen = P.unpack_header(hdr)
+    assert flags & P.FLAG_ERROR
+    body = memoryview(bytearray(mlen))
+    n = 0
+    while n < mlen:
+        n += stream.recv_into(body[n:])
+    assert P.decode_meta(body)["code"] == P.ErrorCode.BAD_FRAME
+    assert stream.recv_into(bytearray(1)) == 0
+
+
+def test_client_fans_out_over_three_memory_daemons():
+    with memory_cluster(3, token="t0k", tag="fan") as daemons, Client([d.address for d in daemons], MEM) as c:
+        keys = [f"key-{i}" for i in range(300)]
+        values = [bytes([i % 251]) * (1 + i * 37 % 5000) for i in range(300)]
+        assert c.put(keys, values) == [Status.OK] * 300
+        owners = set(c.owners(keys))
+        assert len(owners) == 3  # every daemon got a share
+        assert c.get(keys) == values
+        assert all(c.exists(keys))
+        assert c.delete(keys[:10]) == [True] * 10
+        assert c.get(keys[:11]) == [None] * 10 + [values[10]]
+        # each daemon holds exactly the keys the ring gives it
+        for d in daemons:
+            held = {k.decode() for _ns, k in d.store.keys_hottest_first()}
+            assert held == {k for k, o in zip(keys[10:], c.owners(keys[10:])) if o == d.address}
+
+
+def test_a_dead_memory_daemon_becomes_misses_or_an_error():
+    with memory_cluster(2, token="t0k", tag="dead") as daemons:
+        keys = [f"k{i}" for i in range(50)]
+        with Client([d.address for d in daemons], MEM, on_node_error=OnNodeError.MISS) as c:
+            assert c.put(keys, [b"x"] * 50) == [Status.OK] * 50
+            dead = daemons[0]
+            dead.kill()
+            got = c.get(keys)
+            for k, v, owner in zip(keys, got, c.owners(keys)):
+                assert v == (None if owner == dead.address else b"x")
+        with Client([d.address for d in daemons], MEM) as c, pytest.raises(ConnectionFailed):
+            c.get(keys)
+
+
+def test_open_connection_refuses_a_wrong_token_with_a_typed_error():
+    with memory_cluster(1, token="t0k", tag="tok") as (d,):
+        with pytest.raises(ServerError) as err:
+            open_connection("n", d.address, 2.0, "bad", Transport.MEMORY)
+        assert err.value.code == P.ErrorCode.AUTH
+        conn = open_connection("n", d.address, 2.0, "t0k", Transport.MEMORY)
+        assert conn.call(Op.PING, {}, time.monotonic() + 5)["node"] == d.address
+        conn.close()
