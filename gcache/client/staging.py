@@ -10,7 +10,7 @@ Only the device copies need a GPU. Here they are done by a Copier: TorchCopier u
 stream with non_blocking copies when the tensor is on a GPU (buffers pinned), and plain copies
 for CPU tensors (buffers not pinned: torch cannot pin without a driver) -- so ordering,
 chunking and completeness are tested on this machine with CPU tensors, and the GPU path runs
-unchanged on a GPU host (bench/gpu_check.py).
+unchanged on a GPU host (`gcache bench gpu-check`).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def daemon_probes(server: Any, store: Any, agent: Any) -> tuple[Probe, Probe]:
         if agent is None:
             checks["registered"] = (True, "static cluster (no masters)")
             return checks
-        registered = agent._registered.is_set()
+        registered = agent.wait_registered(0)
         checks["registered"] = (registered, f"incarnation {agent.inc} at epoch {agent.epoch}" if registered
                                 else "not registered with any master")
         checks["not_fenced"] = (not agent.fenced, "serving" if not agent.fenced else "fenced: no heartbeat round")
@@ -110,11 +110,11 @@ def daemon_probes(server: Any, store: Any, agent: Any) -> tuple[Probe, Probe]:
 
 
 def serve_daemon(metrics: Any, server: Any, store: Any, agent: Any, port: int, host: str) -> str:
-    """Serve the daemon's metrics registry with the health probes; sets ``metrics._server``
-    and ``metrics.address`` so ``metrics.stop()`` stops it."""
+    """Serve the daemon's metrics registry with the health probes, attached to ``metrics`` (so
+    ``metrics.stop()`` stops it and ``metrics.address`` says where it is)."""
     live, ready = daemon_probes(server, store, agent)
     hs = HealthServer(metrics.registry, live, ready, host, port)
-    metrics._server, metrics.address = hs, hs.address
+    metrics.attach(hs, hs.address)
     return hs.address
 
 

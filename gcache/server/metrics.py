@@ -112,6 +112,11 @@ class RequestMetrics:
         self.address = f"{host}:{server.server_port}"
         return self.address
 
+    def attach(self, server: Any, address: str) -> None:
+        """Serve through ``server`` (an HTTP server with shutdown()/server_close(), e.g. the health
+        endpoints'), found at ``address``, instead of serve()."""
+        self._server, self.address = server, address
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
