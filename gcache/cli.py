@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(dc)
     dc.set_defaults(fn=doctor.run)
 
-    from gcache.bench_cli import add_bench_parser
+    from gcache.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     return p
@@ -326,7 +326,7 @@ def _apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
     cmd = next((a for a in argv if not a.startswith("-")), None)
     path = config_path(argv) if cmd in CONFIG_COMMANDS else None
-    if not path:
+    if not path or cmd is None:
         return
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
     apply_defaults(sub, defaults_for(load(path), cmd))

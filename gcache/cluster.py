@@ -90,7 +90,7 @@ class LocalCluster:
     def master_url(self) -> str:
         return "gcache://" + ",".join(m.address for m in self.master_procs)
 
-    def start(self) -> LocalCluster:
+    def start(self) -> Self:
         assert self.root is not None
         if self.masters:
             self._start_masters()
@@ -107,9 +107,10 @@ class LocalCluster:
         i = len(self.daemons)
         node_dir = os.path.join(self.root, f"node{i}")
         os.makedirs(node_dir, exist_ok=True)
-        disk_dir = os.path.join(node_dir, "disk") if self.disk else None
         args = ["--mem", self.mem, *self.extra_args]
-        if disk_dir:
+        disk_dir = None
+        if self.disk:
+            disk_dir = os.path.join(node_dir, "disk")
             args += ["--disk", disk_dir, "--disk-size", self.disk]
         if self.masters:
             args += ["--masters", self.master_url, "--token-file", str(self.token_file)]

@@ -119,14 +119,14 @@ def check_hugepages() -> Check:
 def check_ucx() -> Check:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # UCX prints its warnings on stdout
     try:
-        from gcache.transport.ucx import available  # type: ignore[import-not-found]
+        from gcache.transport.ucx import available
 
         ok, why = available()
         return Check("ucx", ok, why)
     except ImportError:
         pass
     try:
-        import ucxx  # type: ignore[import-not-found]
+        import ucxx
 
         return Check("ucx", True, f"ucxx {ucxx.__version__} importable (UCX {ucxx.get_ucx_version()})")
     except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"
@@ -142,7 +142,7 @@ def check_rdma() -> Check:
     if not devs:
         return Check("rdma", False, "InfiniBand support loaded but no RDMA device present")
     try:
-        import pyverbs  # type: ignore[import-not-found]  # noqa: F401
+        import pyverbs  # noqa: F401
 
         via = "pyverbs importable"
     except ImportError:
@@ -180,7 +180,7 @@ def check_disk(directory: str | None, size: int = 256 << 20) -> Check:
         data = np.ones(4 << 20, np.uint8)
         t = time.perf_counter()
         for off in range(0, size, len(data)):
-            os.pwrite(fd, data, off)
+            os.pwrite(fd, data.data, off)
         os.fsync(fd)
         w = time.perf_counter() - t
         buf = bytearray(len(data))

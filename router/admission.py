@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from router.buckets import BucketMap
 from router.config import RouterConfig
 from router.decide import Outcome, Plan, plan
-from router.encoder import HashRing
+from router.encoder import EncoderRing
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, Reason
 from router.queue import PendingQueue
@@ -164,7 +164,7 @@ class Admission:
         enc = {s.name: s for s in snap if s.spec.role == "encoder" and s.routable and s.spec.serves(req.model)}
         if not enc:
             return None
-        owner = HashRing(enc).owner(req.media_keys[0])
+        owner = EncoderRing(enc).owner(req.media_keys[0])
         work = self.policy.cfg.cost.work(req.n_tokens)
         lease = await self.state.acquire(owner, enc[owner].spec.max_inflight, work, req.hashes)
         if lease is None:

@@ -159,16 +159,15 @@ class BucketConfig:
 
     @staticmethod
     def parse(spec: str) -> BucketConfig:
-        """Parse ``"0-64K,64K-256K,256K-1M"`` (K = 1024, M = 1024**2)."""
+        """Parse ``"0-64K,64K-256K,256K-1M"``: token counts, K = 1024, M = 1024**2
+        (gcache.sizes.parse_tokens)."""
+        from gcache.sizes import parse_tokens
 
         def num(s: str) -> int:
-            s = s.strip().upper()
-            mult = {"K": 1024, "M": 1024 * 1024}.get(s[-1:], 1)
-            body = s[:-1] if s[-1:] in ("K", "M") else s
             try:
-                return int(float(body) * mult)
-            except ValueError:
-                raise ValueError(f"bad bucket bound {s!r}: use a number with optional K/M") from None
+                return parse_tokens(s)
+            except ValueError as exc:
+                raise ValueError(f"bad bucket bound: {exc}") from None
 
         ranges = []
         for part in spec.split(","):

@@ -13,7 +13,12 @@ from collections.abc import Iterable
 import xxhash
 
 
-class HashRing:
+class EncoderRing:
+    """Encoder workers (URLs) on a consistent-hash ring, ``vnodes`` points each, keyed by media
+    hash. Not gcache's key-placement ring (gcache.meta.ring.HashRing, weighted by capacity and
+    shared by every client): this one only picks the encoder whose cache likely holds a
+    request's image, and only the router computes it."""
+
     def __init__(self, nodes: Iterable[str], vnodes: int = 64) -> None:
         if vnodes <= 0:
             raise ValueError("vnodes must be > 0")
@@ -28,7 +33,7 @@ class HashRing:
         self._owners = [p[1] for p in points]
 
     def __repr__(self) -> str:
-        return f"HashRing(nodes={self.nodes}, vnodes={self.vnodes})"
+        return f"EncoderRing(nodes={self.nodes}, vnodes={self.vnodes})"
 
     def __len__(self) -> int:
         return len(self.nodes)

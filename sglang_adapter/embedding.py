@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from types import FrameType
 from typing import Any
 
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
@@ -60,7 +61,7 @@ def _sglang_model() -> str:
 def _pool_modality(tensor: Any) -> str | None:
     """The ``modality`` of the EmbeddingPool whose tensor the caller is registering, found in the
     registering frames (EmbeddingCacheController._register_pool_buffer holds it as ``pool``)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(4):
         if frame is None:
             return None

@@ -101,7 +101,7 @@ def test_device_copies_overlap_the_network_in_order(cluster):
         assert all(torch.equal(a, b) for a, b in zip(src, dst))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run bench/gpu_check.py on a GPU host)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `gcache bench gpu-check` on a GPU host)")
 def test_cuda_tensors_go_through_pinned_staging(cluster):
     src = [torch.arange(1 << 18, dtype=torch.float32, device="cuda") + i for i in range(8)]
     keys = [f"g{i}" for i in range(8)]

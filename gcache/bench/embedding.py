@@ -165,9 +165,9 @@ def _one_size(store: Any, raw: Any, lay: _Layout, tokens: int, transport: str, c
 
 
 def measure(addresses: list[str], cfg: EmbeddingBenchConfig, progress: bool = True) -> list[EmbeddingRecord]:
-    from sglang_adapter import tvstub
+    from gcache.bench import torchvision_stub
 
-    tvstub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
+    torchvision_stub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
     import torch
 
     from gcache.client import Client

@@ -139,7 +139,7 @@ def validate(doc: dict[str, Any]) -> list[str]:
     if "machine" not in doc or "cpus" not in doc.get("machine", {}):
         problems.append("no machine info")
     kind = doc.get("kind")
-    want = {"throughput": THROUGHPUT_FIELDS, "hitrate": HITRATE_FIELDS}.get(kind)
+    want = {"throughput": THROUGHPUT_FIELDS, "hitrate": HITRATE_FIELDS}.get(kind) if isinstance(kind, str) else None
     if want is None:
         return problems + [f"unknown kind {kind!r}"]
     recs = doc.get("records")

@@ -88,7 +88,7 @@ class RedisPeer(Target):
         bufs = Buffers(size, batch, threads)
         n = keys_per_thread(self.mem_budget, size, batch, threads)
         keys = [[[f"b/{t}/{size}/{i}/{j}" for j in range(batch)] for i in range(n)] for t in range(threads)]
-        src = [[memoryview(v) for v in bufs.views(s)] for s in bufs.src]
+        src = [[v.data for v in bufs.views(s)] for s in bufs.src]
         if op != "put":
             for t in range(threads):
                 for ks in keys[t]:

@@ -12,6 +12,7 @@ into fresh memory fault at ~1.7 GB/s here and would otherwise be what is measure
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class GcacheTcp(Target):
     def __init__(self, addresses: list[str], mem_budget: int, namespace: str = "bench") -> None:
         from gcache.client import Client
 
-        kw = {}
+        kw: dict[str, Any] = {}
         try:
             from gcache.client.client import LocalPath
 
@@ -115,9 +116,9 @@ class GcacheTcp(Target):
             self.before_timing()
             timing = drive([step_for(t) for t in range(threads)], seconds, f"gcache {op}")
         finally:
-            for ks in keys:
-                for k in ks:
-                    c.delete(k)
+            for per_thread in keys:
+                for ks in per_thread:
+                    c.delete(ks)
         return from_latencies("gcache", op, size, batch, threads, timing.elapsed_s, timing.batches,
                               timing.latencies_s, self.transport)
 
@@ -142,7 +143,12 @@ class Memcpy(Target):
 
         def step_for(t: int) -> Step:
             a, b = (bufs.src[t], bufs.dst[t]) if op == "put" else (bufs.dst[t], bufs.src[t])
-            return lambda i: np.copyto(a, b) is None
+
+            def step(i: int) -> bool:
+                np.copyto(a, b)
+                return True
+
+            return step
 
         timing = drive([step_for(t) for t in range(threads)], seconds, "memcpy")
         return from_latencies("memcpy", op, size, batch, threads, timing.elapsed_s, timing.batches,

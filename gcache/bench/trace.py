@@ -1,64 +1,22 @@
-"""Mooncake-format request traces and the prefix-hit arithmetic over them (pure, no I/O but
-reading the file).
+"""Prefix-hit arithmetic over Mooncake-format request traces (pure, no I/O).
 
-A trace line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [...]}`` with one id per ``block_tokens``-token block of the prompt; equal ids at
-the same position mean the same prefix up to and including that block, and the last block may
-be partial. A request's cached prefix is the longest run of its leading blocks that the cache
-holds: a block after a missing one is useless to the engine (it needs every earlier page), so
-it never counts as a hit.
+The trace format, its units and the reader are in :mod:`gcache.mooncake_trace` (shared with
+``gcache-router sim``); its names are re-exported here. A request's cached prefix is the longest
+run of its leading blocks that the cache holds: a block after a missing one is useless to the
+engine (it needs every earlier page), so it never counts as a hit.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BLOCK_TOKENS = 512
+from gcache.mooncake_trace import BLOCK_TOKENS, TraceError, TraceRequest, load_trace, parse_line
 
-
-class TraceError(ValueError):
-    """A trace line that cannot be replayed; the message names the line and the problem."""
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-    def prefix_tokens(self, blocks: int, block_tokens: int = BLOCK_TOKENS) -> int:
-        """Input tokens covered by the first ``blocks`` blocks (the last block may be partial)."""
-        return min(self.input_length, blocks * block_tokens)
-
-
-def parse_line(line: str, lineno: int = 0, block_tokens: int = BLOCK_TOKENS) -> TraceRequest:
-    try:
-        d = json.loads(line)
-        req = TraceRequest(int(d["timestamp"]), int(d["input_length"]), int(d.get("output_length", 0)),
-                           tuple(int(h) for h in d["hash_ids"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TraceError(f"trace line {lineno}: {exc!r}") from None
-    need = -(-req.input_length // block_tokens)
-    if req.input_length < 0 or len(req.hash_ids) != need:
-        raise TraceError(f"trace line {lineno}: {len(req.hash_ids)} hash_ids for {req.input_length} tokens "
-                         f"(expected {need} blocks of {block_tokens})")
-    return req
-
-
-def load_trace(path: str, limit: int = 0, block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
-    """The first ``limit`` requests of a JSONL trace (all when 0), blank lines skipped."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            out.append(parse_line(line, lineno, block_tokens))
-            if limit and len(out) >= limit:
-                break
-    return out
+__all__ = [
+    "BLOCK_TOKENS", "HitAccounting", "TraceError", "TraceRequest", "leading_hits", "load_trace", "parse_line",
+    "scan_trace", "trace_max", "working_set_blocks",
+]
 
 
 def leading_hits(found: Sequence[bool]) -> int:

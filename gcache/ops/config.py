@@ -22,7 +22,7 @@ import enum
 import logging
 import os
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +152,7 @@ def _type_error(kind: Kind, v: Any) -> str | None:
         return next((e for e in map(_addr_error, items) if e), None)
     if kind is Kind.SIZE:
         try:
-            parse_size(v) if isinstance(v, (str, int)) and not isinstance(v, bool) else parse_size("?")
+            parse_size(v)  # ConfigError for anything but a size string or an int >= 0
         except ConfigError:
             return f"expected {kind.value}, got {v!r}"
         return None
@@ -199,19 +199,22 @@ def _check_master(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
 def _check_router(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
     from router.config import BucketConfig, WorkerSpec
 
-    out = []
+    out: list[tuple[tuple, str]] = []
     if isinstance(d.get("buckets"), str):
         try:
             BucketConfig.parse(d["buckets"])
         except ValueError as exc:
             out.append((("buckets",), str(exc)))
     if isinstance(d.get("policy"), str):
+        known: Collection[str] | None
         try:
             from router.policies import POLICIES
+
+            known = POLICIES
         except ImportError:  # the router extra is not installed: its names cannot be checked
-            POLICIES = None
-        if POLICIES is not None and d["policy"] not in POLICIES:
-            out.append((("policy",), f"unknown policy {d['policy']!r}; one of {', '.join(sorted(POLICIES))}"))
+            known = None
+        if known is not None and d["policy"] not in known:
+            out.append((("policy",), f"unknown policy {d['policy']!r}; one of {', '.join(sorted(known))}"))
     for i, w in enumerate(d.get("workers", []) if isinstance(d.get("workers"), list) else []):
         if not isinstance(w, dict):
             continue
@@ -341,9 +344,10 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
             out["token_file"] = cluster["token_file"]
     if command == "master" and "token_file" in cluster:
         out["token_file"] = cluster["token_file"]
-    section = {"status": None, "drain": None, "health": None}.get(command, command)
+    section = None if command in ("status", "drain", "health") else command  # these have no section
+    fields = SCHEMA.get(section, {}) if section else {}
     for key, value in (doc.get(section, {}) if section else {}).items():
-        field = SCHEMA[section][key]
+        field = fields[key]
         dest = field.dest or key
         out[dest] = _arg_value(field, value)
         if dest == "masters":

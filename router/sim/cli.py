@@ -7,13 +7,11 @@ import itertools
 import sys
 from collections.abc import Sequence
 
+from gcache.mooncake_trace import DEFAULT_TRACE, load_trace
 from router.config import DEFAULT_MAX_INFLIGHT, QueueConfig, QueueOrder
 from router.policies import POLICIES
 from router.sim import report
 from router.sim.engine import SimConfig, simulate
-from router.sim.trace import load_trace
-
-DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
 
 
 def _csv(kind):
@@ -28,7 +26,8 @@ def _csv(kind):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=int, default=0,
+                   help="replay only the first N requests of the trace (default 0: all)")
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default: %(default)s)")
     p.add_argument("--cache-blocks", type=_csv(int), default=[8192],
                    help="per-worker prefix cache sizes in 512-token blocks, comma-separated (default: 8192)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.mooncake_trace import TraceRequest
 from router.buckets import BucketMap
 from router.config import (
     DEFAULT_MAX_INFLIGHT,
@@ -28,7 +29,6 @@ from router.decide import Outcome, plan
 from router.policies import make_policy
 from router.queue import PendingQueue
 from router.sim.costmodel import CostModel
-from router.sim.trace import TraceRecord
 from router.state_base import Lease
 from router.state_memory import MemoryState
 
@@ -95,7 +95,7 @@ class SimWorker:
 _ARRIVE, _PREFILL_DONE, _DECODE_DONE = 0, 1, 2
 
 
-def simulate(trace: Sequence[TraceRecord], cfg: SimConfig) -> dict:
+def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> dict:
     """Replay ``trace``; returns a flat dict of metrics (see ``summarize``)."""
     n = len(trace)
     names = [f"w{i:02d}" for i in range(cfg.workers)]

@@ -8,7 +8,7 @@ which looks up every image of the request in its cache (a miss runs the vision e
 caches the result). Placement policies:
 
 * ``round_robin``: request i to encoder i mod N (what a load balancer without affinity does);
-* ``consistent_hash``: the owner of the request's first media key on router.encoder.HashRing,
+* ``consistent_hash``: the owner of the request's first media key on router.encoder.EncoderRing,
   exactly as the router's encoder affinity places it;
 * ``ch_bounded``: consistent hashing with bounded load: when the owner took more than
   (1 + eps) x its share of the last ``window`` requests, the least loaded encoder of that window
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from router.encoder import HashRing
+from router.encoder import EncoderRing
 
 POLICIES = ("round_robin", "consistent_hash", "ch_bounded", "ch_per_image")
 
@@ -87,7 +87,7 @@ def round_robin(encoders: int) -> Placement:
 
 def _owner(encoders: int) -> Callable[[str], int]:
     names = [f"encoder{e}" for e in range(encoders)]
-    ring = HashRing(names)
+    ring = EncoderRing(names)
     index = {n: e for e, n in enumerate(names)}
     return lambda key: index[ring.owner(key)]
 

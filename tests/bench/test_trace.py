@@ -1,44 +1,20 @@
-"""Trace parsing and prefix-hit arithmetic, on tiny hand-made traces with exact answers."""
+"""Prefix-hit arithmetic, on tiny hand-made traces with exact answers (the reader itself:
+tests/test_mooncake_trace.py)."""
 
-import json
 import os
 
 import pytest
 
 from gcache.bench.trace import (
     HitAccounting,
-    TraceError,
     TraceRequest,
     leading_hits,
     load_trace,
-    parse_line,
     trace_max,
     working_set_blocks,
 )
 
 SHARED_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "conversation_trace.jsonl")
-
-
-def line(ts, n_tokens, ids, out=10):
-    return json.dumps({"timestamp": ts, "input_length": n_tokens, "output_length": out, "hash_ids": ids})
-
-
-def test_parse_line_reads_fields_and_checks_block_count():
-    r = parse_line(line(1500, 1100, [4, 5, 6]))
-    assert r == TraceRequest(1500, 1100, 10, (4, 5, 6))
-    with pytest.raises(TraceError, match="line 7: 2 hash_ids for 1100 tokens"):
-        parse_line(line(0, 1100, [4, 5]), 7)
-    with pytest.raises(TraceError, match="line 3"):
-        parse_line('{"timestamp": 0}', 3)
-    with pytest.raises(TraceError, match="line 4"):
-        parse_line("not json", 4)
-
-
-def test_load_trace_limit_and_blank_lines(tmp_path):
-    p = tmp_path / "t.jsonl"
-    p.write_text("\n".join([line(0, 512, [1]), "", line(5, 600, [1, 2]), line(9, 10, [3])]) + "\n")
-    assert [r.hash_ids for r in load_trace(str(p))] == [(1,), (1, 2), (3,)]
-    assert len(load_trace(str(p), limit=2)) == 2
 
 
 def test_leading_hits_stops_at_first_hole():

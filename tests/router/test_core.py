@@ -7,7 +7,7 @@ import pytest
 from router.buckets import BucketMap
 from router.config import BucketConfig, PolicyConfig, PrefixConfig, QueueConfig, RouterConfig, WorkerSpec
 from router.cost import PrefillCost
-from router.encoder import HashRing
+from router.encoder import EncoderRing
 from router.prefix import PrefixIndex, chain_text_hashes, chain_token_hashes
 from router.request import BadRequest, parse_request
 
@@ -72,16 +72,16 @@ def test_bucket_parse_and_grouping():
 
 
 def test_hash_ring_is_stable_and_moves_few_keys():
-    ring = HashRing(["http://e1", "http://e2", "http://e3"])
+    ring = EncoderRing(["http://e1", "http://e2", "http://e3"])
     keys = [f"img{i}" for i in range(2000)]
     before = {k: ring.owner(k) for k in keys}
-    assert before == {k: HashRing(["http://e3", "http://e1", "http://e2"]).owner(k) for k in keys}
+    assert before == {k: EncoderRing(["http://e3", "http://e1", "http://e2"]).owner(k) for k in keys}
     assert len(set(before.values())) == 3
-    after = HashRing(["http://e1", "http://e2", "http://e3", "http://e4"])
+    after = EncoderRing(["http://e1", "http://e2", "http://e3", "http://e4"])
     moved = sum(before[k] != after.owner(k) for k in keys)
     assert 0 < moved < 0.4 * len(keys)
     with pytest.raises(LookupError):
-        HashRing([]).owner("x")
+        EncoderRing([]).owner("x")
 
 
 def test_parse_request_variants():

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from router.cli import main
-from router.encoder import HashRing
+from router.encoder import EncoderRing
 from router.sim.multimodal import (
     MMTraceConfig,
     ceiling,
@@ -61,7 +61,7 @@ def test_lru_accounting_is_exact():
 
 def test_placements_follow_the_routers_ring():
     reqs = generate(MMTraceConfig(requests=300, images=100, seed=1))
-    ring = HashRing([f"encoder{e}" for e in range(4)])
+    ring = EncoderRing([f"encoder{e}" for e in range(4)])
     ch = consistent_hash(4)
     for i, media in enumerate(reqs):
         assert ch(i, media) == [int(ring.owner(media[0])[len("encoder"):])] * len(media)

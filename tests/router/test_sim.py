@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from gcache.mooncake_trace import load_trace
 from router.cli import main
 from router.config import DEFAULT_MAX_INFLIGHT, QueueConfig, QueueOrder, WorkerSpec
 from router.sim.costmodel import CostModel
 from router.sim.engine import SimConfig, simulate
 from router.sim.synthetic import hot_prefix
-from router.sim.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "conversation_trace.jsonl"
 if not TRACE.exists():  # a checkout without ../shared: its first 300 requests, kept in tests/data

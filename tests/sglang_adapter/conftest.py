@@ -18,9 +18,9 @@ POOL_ARGS = ["--pool-budget", "kv=75%", "--pool-budget", "swa=25%", "--no-pretou
 def sgl():
     if not HAVE_SGLANG:
         pytest.skip("sglang 0.5.23 / torch not installed: run `make sglang-deps` (part of `make test`)")
-    from sglang_adapter import tvstub
+    from gcache.bench import torchvision_stub
 
-    tvstub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
+    torchvision_stub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
     import sglang.srt.mem_cache.pool_host.mha  # noqa: F401  (fail here, clearly, if imports break)
 
     return True

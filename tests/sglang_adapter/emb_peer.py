@@ -12,9 +12,9 @@ import sys
 
 def main() -> int:
     nodes, count, tokens, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    from sglang_adapter import tvstub
+    from gcache.bench import torchvision_stub
 
-    tvstub.install()
+    torchvision_stub.install()
     from sglang.srt.managers.schedule_batch import Modality
 
     from sglang_adapter.embedding import GCacheEmbeddingStore

@@ -22,9 +22,9 @@ import torch
 
 
 def _imports():
-    from sglang_adapter import tvstub
+    from gcache.bench import torchvision_stub
 
-    tvstub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
+    torchvision_stub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
     from sglang.srt.managers.schedule_batch import Modality
     from sglang.srt.mem_cache import embedding_cache_controller as ecc
 

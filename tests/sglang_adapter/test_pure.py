@@ -1,13 +1,12 @@
-"""Pure logic, no sglang: window-safe matching, key naming, pool budgets and eviction order."""
+"""Pure logic of the adapter, no sglang: window-safe matching, key naming, configuration.
+
+The pool budgets and pool-aware eviction it relies on are gcache.tier's: tests/test_pools.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from gcache.errors import ConfigError
-from gcache.protocol import Status
-from gcache.tier.pools import PoolBudget, PoolBudgets, parse_pool_meta
-from gcache.tier.store import Store, StoreConfig
 from sglang_adapter.config import AdapterConfig
 from sglang_adapter.keys import KeyScheme, page_format
 from sglang_adapter.window import PoolCheck, window_safe
@@ -89,101 +88,3 @@ def test_adapter_config_takes_masters_like_the_client(monkeypatch, tmp_path):
     monkeypatch.setenv("GCACHE_TOKEN_FILE", str(tok))
     assert AdapterConfig.from_extra({"nodes": ["a:1"]}).token() == "s3cret"
     assert AdapterConfig.from_extra({"nodes": ["a:1"], "token_file": str(tok)}).token() == "s3cret"
-
-
-# -- pool budgets ---------------------------------------------------------------------------------------
-def test_budget_specs():
-    mem = 1000
-    assert PoolBudget.parse("swa=25%", mem) == PoolBudget("swa", 250)
-    assert PoolBudget.parse("org/m:kv=100", mem) == PoolBudget("kv", 100, "org/m")
-    for bad in ("swa", "swa=0", "swa=150%", "s wa=1", "=5"):
-        with pytest.raises(ConfigError):
-            PoolBudget.parse(bad, mem)
-    with pytest.raises(ConfigError):
-        PoolBudgets((PoolBudget("kv", 800), PoolBudget("swa", 300)), mem)
-    b = PoolBudgets((PoolBudget("swa", 200), PoolBudget("swa", 50, "ns1")), mem)
-    assert b.budget(("ns1", "swa")) == 50 and b.budget(("ns2", "swa")) == 200 and b.budget(("x", "kv")) is None
-
-
-def test_pool_meta_validation():
-    assert parse_pool_meta({"pool": "swa", "pos": [3, 4]}, 2, "PUT") == ("swa", [3, 4], None)
-    assert parse_pool_meta({}, 2, "PUT") == (None, [0, 0], None)
-    assert isinstance(parse_pool_meta({"pool": "a b"}, 1, "PUT"), str)
-    assert isinstance(parse_pool_meta({"pos": [1]}, 2, "PUT"), str)
-    assert isinstance(parse_pool_meta({"tail": [2]}, 1, "EXISTS"), str)
-
-
-# -- store: dual pools and prefix-aware eviction -----------------------------------------------------------
-PAGE = 1024
-
-
-def _store(budgets=("kv=50%", "swa=25%"), mem=64 * PAGE):
-    cfg = StoreConfig(mem_bytes=mem, pretouch=False, recency_bucket_s=3600.0,
-                      pool_budgets=tuple(PoolBudget.parse(b, mem) for b in budgets))
-    return Store(cfg)
-
-
-def _have(store, ns, names):
-    return [n for n in names if store.exists((ns, n))]
-
-
-def test_pool_pressure_never_evicts_other_pool():
-    s = _store()
-    swa = [f"s{i}".encode() for i in range(16)]  # 16 pages = the whole SWA budget
-    for i, k in enumerate(swa):
-        assert s.put(("ns", k), b"x" * PAGE, pool="swa", pos=i) is Status.OK
-    for i in range(200):  # far beyond the KV budget
-        assert s.put(("ns", f"k{i}".encode()), b"y" * PAGE, pool="kv", pos=i) is Status.OK
-    assert len(_have(s, "ns", swa)) == 16
-    st = s.stats()
-    assert st["pool_bytes:ns:kv"] <= 32 * PAGE and st["pool_bytes:ns:swa"] == 16 * PAGE
-
-
-def test_within_a_chain_later_pages_go_first():
-    s = _store(("kv=25%",))
-    chain = [f"c{i}".encode() for i in range(16)]  # exactly the budget
-    for i, k in enumerate(chain):
-        s.put(("ns", k), b"x" * PAGE, pool="kv", pos=i)
-    for i in range(4):  # another chain pushes 4 pages out
-        s.put(("ns", f"d{i}".encode()), b"x" * PAGE, pool="kv", pos=i)
-    assert _have(s, "ns", chain) == chain[:12]  # the tail went, no hole in the prefix
-
-
-def test_exists_refreshes_a_hot_prefix():
-    s = _store(("kv=25%",))
-    s.ram.recency_bucket_s = 1e-9  # every touch is a new bucket: plain recency order
-    old = [f"o{i}".encode() for i in range(8)]
-    for i, k in enumerate(old):
-        s.put(("ns", k), b"x" * PAGE, pool="kv", pos=i)
-    newer = [f"n{i}".encode() for i in range(8)]
-    for i, k in enumerate(newer):
-        s.put(("ns", k), b"x" * PAGE, pool="kv", pos=i)
-    assert all(s.exists(("ns", k)) for k in old)  # engine asked L3 about the old prefix
-    for i in range(8):
-        s.put(("ns", f"z{i}".encode()), b"x" * PAGE, pool="kv", pos=i)
-    assert _have(s, "ns", old) == old and _have(s, "ns", newer) == []
-
-
-def test_swa_restore_points_outlive_interior_windows():
-    s = _store(("swa=25%",))
-    tails = [f"t{i}".encode() for i in range(4)]
-    for i, k in enumerate(tails):
-        s.put(("ns", k), b"x" * PAGE, pool="swa", pos=i, tail=1)
-    interior = [f"i{i}".encode() for i in range(12)]
-    for i, k in enumerate(interior):
-        s.put(("ns", k), b"x" * PAGE, pool="swa", pos=i)
-    for i in range(4):
-        s.put(("ns", f"u{i}".encode()), b"x" * PAGE, pool="swa", pos=i)
-    assert _have(s, "ns", tails) == tails  # the old restore point survived newer interior pages
-    assert len(_have(s, "ns", interior)) == 8
-    s.exists(("ns", tails[0]), tail=0)  # demoted to an interior page
-    for i in range(13):  # as many as there are interior pages now
-        s.put(("ns", f"v{i}".encode()), b"x" * PAGE, pool="swa", pos=0)
-    assert _have(s, "ns", tails) == tails[1:]
-
-
-def test_untagged_values_keep_plain_lru():
-    s = _store(budgets=(), mem=16 * PAGE)
-    for i in range(20):
-        assert s.put(("ns", f"k{i}".encode()), b"x" * PAGE) is Status.OK
-    assert _have(s, "ns", [f"k{i}".encode() for i in range(20)])[0] == b"k4"

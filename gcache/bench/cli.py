@@ -1,13 +1,20 @@
-"""``gcache bench`` argument parsing (the benchmarks themselves live in gcache.bench).
+"""``gcache bench`` argument parsing; the benchmarks are the other modules of gcache.bench.
 
 ``gcache bench`` with no subcommand runs ``throughput``, so the core issue's command lines
-(``gcache bench --nodes 3 --sizes 64KiB``) keep working.
+(``gcache bench --nodes 3 --sizes 64KiB``) keep working. Every benchmark is a subcommand;
+the smaller ones (``swa-capacity``, ``store-ops``, ``ucx-check``, ``gpu-check``) also run as
+``python -m gcache.bench.<module>``. Results go to ``bench/results`` (relative to the working
+directory) unless ``--out`` / ``--json`` say otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
 
+from gcache.bench import gpu_check, store_ops, swa_capacity, ucx_check
 from gcache.tier.eviction import EvictionKind
 
 
@@ -98,50 +105,47 @@ def _soak_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON here")
 
 
-def add_bench_parser(sub) -> None:
+#: subcommand -> (help, argument adder, module whose run_cli(args) runs it)
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
+    "throughput": (("GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, beside the memcpy and "
+                   "raw-socket ceilings"), _throughput_args, "gcache.bench.throughput"),
+    "hitrate": (("replay a Mooncake-format trace against a local cluster; token hit rate vs capacity, beside "
+                "the trace's own maximum"), _hitrate_args, "gcache.bench.hitrate"),
+    "embedding": (("multimodal embeddings through the SGLang embedding store beside the raw client moving the "
+                  "same bytes (needs sglang)"), _embedding_args, "gcache.bench.embedding"),
+    "soak": (("mixed put/get/delete/overwrite on a local cluster with disks, a daemon killed and restarted "
+             "halfway; counts wrong, stale and resurrected values (exit 1 if any)"), _soak_args,
+             "gcache.bench.soak"),
+    "swa-capacity": (("SWA-aware storage through the SGLang adapter: bytes per cached token and hit rate of "
+                     "dual pools vs one pool at a fixed budget (needs sglang)"), swa_capacity.add_arguments,
+                     "gcache.bench.swa_capacity"),
+    "store-ops": (("per-operation CPU cost of the in-process store (put with eviction, get, exists) for each "
+                  "eviction policy"), store_ops.add_arguments, "gcache.bench.store_ops"),
+    "ucx-check": (("UCX (tcp and shared memory) beside plain TCP through gcache.Client, with the memcpy and "
+                  "raw TCP ceilings"), ucx_check.add_arguments, "gcache.bench.ucx_check"),
+    "gpu-check": (("CUDA tensors through the pinned staging pool beside the device->host copy bandwidth "
+                  "(needs a CUDA GPU)"), gpu_check.add_arguments, "gcache.bench.gpu_check"),
+}
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Add ``bench`` and its subcommands to the ``gcache`` command's subparsers ``sub``."""
     b = sub.add_parser("bench", help="benchmarks: throughput/latency beside ceilings and peers (default), "
-                                     "hit-rate replay of a trace")
+                                     "hit-rate replay of a trace, and the others listed below")
     _throughput_args(b)
-    b.set_defaults(fn=_run_throughput)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding,soak}")
-    t = bsub.add_parser("throughput", help="GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, "
-                                           "beside the memcpy and raw-socket ceilings")
-    _throughput_args(t)
-    t.set_defaults(fn=_run_throughput)
-    h = bsub.add_parser("hitrate", help="replay a Mooncake-format trace against a local cluster; token hit "
-                                        "rate vs capacity, beside the trace's own maximum")
-    _hitrate_args(h)
-    h.set_defaults(fn=_run_hitrate)
-    e = bsub.add_parser("embedding", help="multimodal embeddings through the SGLang embedding store beside the "
-                                          "raw client moving the same bytes (needs sglang)")
-    _embedding_args(e)
-    e.set_defaults(fn=_run_embedding)
-    s = bsub.add_parser("soak", help="mixed put/get/delete/overwrite on a local cluster with disks, a daemon "
-                                     "killed and restarted halfway; counts wrong, stale and resurrected values "
-                                     "(exit 1 if any)")
-    _soak_args(s)
-    s.set_defaults(fn=_run_soak)
+    b.set_defaults(fn=_runner("gcache.bench.throughput"))
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{" + ",".join(_COMMANDS) + "}")
+    for name, (text, add_args, module) in _COMMANDS.items():
+        p = bsub.add_parser(name, help=text, description=text)
+        add_args(p)
+        p.set_defaults(fn=_runner(module))
 
 
-def _run_throughput(args: argparse.Namespace) -> int:
-    from gcache.bench.throughput import run_cli
+def _runner(module: str) -> Callable[[argparse.Namespace], int]:
+    """Runs ``module.run_cli(args)``, importing the module only then (they pull in numpy, torch...)."""
 
-    return run_cli(args)
+    def run(args: argparse.Namespace) -> int:
+        result: int = importlib.import_module(module).run_cli(args)
+        return result
 
-
-def _run_hitrate(args: argparse.Namespace) -> int:
-    from gcache.bench.hitrate import run_cli
-
-    return run_cli(args)
-
-
-def _run_embedding(args: argparse.Namespace) -> int:
-    from gcache.bench.embedding import run_cli
-
-    return run_cli(args)
-
-
-def _run_soak(args: argparse.Namespace) -> int:
-    from gcache.bench.soak import run_cli
-
-    return run_cli(args)
+    return run

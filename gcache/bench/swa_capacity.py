@@ -1,11 +1,14 @@
-"""SWA-aware storage benchmark: bytes per cached token and hit rate at a fixed memory budget.
+"""``gcache bench swa-capacity``: SWA-aware storage, bytes per cached token and hit rate at a
+fixed memory budget (needs sglang).
 
-    .venv/bin/python bench/swa_capacity.py [--requests 1500] [--budget-mib 24] [--json out.json]
+    gcache bench swa-capacity [--requests 1500] [--budget-mib 24] [--json out.json]
+    python -m gcache.bench.swa_capacity ...             # the same
 
 Geometry: MiMo-V2.5-Pro-like, 70 layers = 10 full-attention + 60 SWA, window 128 tokens, page
 64 tokens. Part 1 computes the bytes stored per cached token, dual pools (full layers for every
 page, SWA layers for the trailing window only) vs one pool storing every layer per page. Part 2
-replays ../shared/data/conversation_trace.jsonl (512-token blocks -> 8 pages each) through the
+replays a Mooncake-format trace (``--trace``, default the conversation trace in ../shared/data
+beside the checkout; 512-token blocks -> 8 pages each) through the
 adapter (sglang_adapter.backend.GCacheStorage) against a local 2-daemon cluster with the same
 total RAM budget, bytes per token scaled down (``--layer-page-bytes`` per layer per page) so
 it fits this machine; the full:SWA ratio, window and page size are kept. Like SGLang's
@@ -19,16 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gcache.mooncake_trace import BLOCK_TOKENS as BLOCK
+from gcache.mooncake_trace import DEFAULT_TRACE, TraceRequest, load_trace
 
-FULL, SWA, WINDOW, PAGE, BLOCK = 10, 60, 128, 64, 512
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "conversation_trace.jsonl")
+FULL, SWA, WINDOW, PAGE = 10, 60, 128, 64
 
 
 def bytes_per_token(tokens: int, windows: int = 1) -> float:
@@ -46,14 +49,14 @@ class StandInPool:
         self.page_bytes = page_bytes
         self.buf = np.random.default_rng(0).integers(0, 255, page_bytes * pages, dtype=np.uint8)
 
-    def get_page_buffer_meta(self, indices):
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
         base = self.buf.ctypes.data
         idx = indices.tolist()
         ptrs = [base + (idx[i] // PAGE) * self.page_bytes for i in range(0, len(idx), PAGE)]
         return ptrs, [self.page_bytes] * len(ptrs)
 
 
-def replay(nodes: list[str], reqs: list[dict], dual: bool, layer_page_bytes: int) -> dict:
+def replay(nodes: list[str], reqs: list[TraceRequest], dual: bool, layer_page_bytes: int) -> dict[str, Any]:
     import torch
     from sglang.srt.mem_cache.hicache_storage import (
         HiCacheStorageConfig,
@@ -81,16 +84,16 @@ def replay(nodes: list[str], reqs: list[dict], dual: bool, layer_page_bytes: int
     hit_tok = total_tok = 0
     t0 = time.perf_counter()
     for r in reqs:
-        n = max(1, r["input_length"] // PAGE)
-        keys = [f"{h}-{j}" for h in r["hash_ids"] for j in range(BLOCK // PAGE)][:n]
+        n = max(1, r.input_length // PAGE)
+        keys = [f"{h}-{j}" for h in r.hash_ids for j in range(BLOCK // PAGE)][:n]
         n = len(keys)
         if dual:
             probe = PoolTransfer(name=PoolName.SWA, keys=["?"] * win, hit_policy=PoolHitPolicy.TRAILING_PAGES)
             hit = s.batch_exists_v2(keys, [probe]).kv_hit_pages
         else:
             hit = s.batch_exists(keys)
-        hit_tok += min(hit * PAGE, r["input_length"])
-        total_tok += r["input_length"]
+        hit_tok += min(hit * PAGE, r.input_length)
+        total_tok += r.input_length
         a = hit
         while a < n:  # back up block by block, as SGLang backs up radix nodes
             b = min(n, (a // 8 + 1) * 8)
@@ -114,15 +117,16 @@ def replay(nodes: list[str], reqs: list[dict], dual: bool, layer_page_bytes: int
             "stored_bytes": pools, "seconds": round(secs, 1)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1500, help="replay the first N requests")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default %(default)s)")
+    ap.add_argument("--requests", type=int, default=1500, help="replay the first N requests (default %(default)s)")
     ap.add_argument("--budget-mib", type=float, default=24.0, help="total RAM of the 2-daemon cluster")
     ap.add_argument("--swa-share", type=float, default=0.3, help="share of the budget for the SWA pool (dual)")
     ap.add_argument("--layer-page-bytes", type=int, default=16, help="bytes per layer per 64-token page")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the tables as JSON here")
 
+
+def run_cli(args: argparse.Namespace) -> int:
     print("# bytes stored per cached token (relative to storing all 70 layers = 1.000)")
     table = []
     for tokens in (1024, 6909, 12035, 27367, 126195):
@@ -132,13 +136,12 @@ def main() -> int:
         print(f"  {tokens:>7} tokens: dual (window at the end) {end_only:.3f} (1/{1 / end_only:.1f}); "
               f"dual (window per 512-token node) {per_block:.3f}; one pool 1.000")
 
-    from sglang_adapter import tvstub
+    from gcache.bench import torchvision_stub
 
-    tvstub.install()
+    torchvision_stub.install()  # sglang's config modules import torchvision; the PyPI build needs CUDA
     from gcache.cluster import LocalCluster
 
-    with open(TRACE) as f:
-        reqs = [json.loads(line) for _, line in zip(range(args.requests), f)]
+    reqs = load_trace(args.trace, args.requests)
     per_node = int(args.budget_mib * (1 << 20) / 2)
     results = []
     for dual in (False, True):
@@ -154,8 +157,16 @@ def main() -> int:
           f"({ratio:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes_per_token": table, "replay": results, "args": vars(args)}, f, indent=1)
+            json.dump({"bytes_per_token": table, "replay": results,
+                       "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float))}}, f, indent=1)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gcache.bench.swa_capacity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""UCX beside plain TCP, in the same run: 16 x 1 MiB puts and gets through gcache.Client.
+"""``gcache bench ucx-check``: UCX beside plain TCP, in the same run: 16 x 1 MiB puts and gets
+through gcache.Client.
 
-    .venv/bin/python bench/ucx_check.py [--rounds 30] [--nodes 1]
+    gcache bench ucx-check [--rounds 30] [--nodes 1]     # or: python -m gcache.bench.ucx_check
 
 For each transport (gcache over TCP; gcache over UCX with UCX_TLS=tcp; gcache over UCX with
 UCX_TLS=posix,cma,self) a fresh local cluster of --ucx daemons is started with that environment,
@@ -13,27 +14,28 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-
-import numpy as np
-
-from gcache import Client, Status
-from gcache.cluster import LocalCluster
-from gcache.transport import Transport, ucx
+from collections.abc import Sequence
 
 MiB = 1 << 20
-CASES = (("gcache/tcp", Transport.TCP, None), ("gcache/ucx tcp", Transport.UCX, "tcp"),
-         ("gcache/ucx sm", Transport.UCX, "posix,cma,self"))
+#: (row name, transport, UCX_TLS or None for the environment's own)
+CASES = (("gcache/tcp", "tcp", None), ("gcache/ucx tcp", "ucx", "tcp"), ("gcache/ucx sm", "ucx", "posix,cma,self"))
 
 
-def measure(addresses: list[str], transport: Transport, rounds: int, batch: int, size: int) -> dict[str, float]:
+def measure(addresses: list[str], transport: str, rounds: int, batch: int, size: int) -> dict[str, float]:
+    """GB/s of ``batch`` x ``size`` puts and gets, median of ``rounds`` after 3 warm-up rounds."""
+    import numpy as np
+
+    from gcache.client import Client, LocalPath
+    from gcache.protocol import Status
+    from gcache.transport import Transport
+
     rng = np.random.default_rng(1)
     values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
     out = [np.empty(size, np.uint8) for _ in range(batch)]
     keys = [f"bench/{i}" for i in range(batch)]
     res = {}
-    with Client(addresses, transport=transport, timeout_s=30, local="off") as c:
+    with Client(addresses, transport=Transport(transport), timeout_s=30, local=LocalPath.OFF) as c:
         for op in ("put", "get"):
             times = []
             for r in range(rounds + 3):
@@ -43,15 +45,22 @@ def measure(addresses: list[str], transport: Transport, rounds: int, batch: int,
                 else:
                     ok = c.get_into(keys, out).hits == batch
                 dt = time.perf_counter() - t0
-                assert ok, f"{op} failed"
+                if not ok:
+                    raise RuntimeError(f"ucx-check: {op} failed")
                 if r >= 3:  # warm-up: connections, first touches
                     times.append(dt)
             res[op] = batch * size / statistics.median(times) / 1e9
-        assert all(np.array_equal(a, b) for a, b in zip(out, values))
+        if not all(np.array_equal(a, b) for a, b in zip(out, values)):
+            raise RuntimeError("ucx-check: get returned other bytes than were put")
     return res
 
 
 def ceilings(size: int, batch: int) -> dict[str, float]:
+    """memcpy of one batch and one raw TCP stream (put and get), GB/s."""
+    import numpy as np
+
+    from gcache.bench.rawsock import RawSocketPeer
+
     src, dst = np.ones(size * batch, np.uint8), np.empty(size * batch, np.uint8)
     np.copyto(dst, src)
     t = []
@@ -60,8 +69,6 @@ def ceilings(size: int, batch: int) -> dict[str, float]:
         np.copyto(dst, src)
         t.append(time.perf_counter() - t0)
     out = {"memcpy": size * batch / statistics.median(t) / 1e9}
-    from gcache.bench.rawsock import RawSocketPeer
-
     peer = RawSocketPeer(size * batch)
     try:
         for op in ("put", "get"):
@@ -71,18 +78,22 @@ def ceilings(size: int, batch: int) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--size", type=int, default=MiB)
-    args = p.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=30, help="timed batches per op (default %(default)s)")
+    p.add_argument("--nodes", type=int, default=1, help="local daemons (default %(default)s)")
+    p.add_argument("--batch", type=int, default=16, help="values per batch (default %(default)s)")
+    p.add_argument("--size", type=int, default=MiB, help="bytes per value (default %(default)s)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from gcache.cluster import LocalCluster
+    from gcache.transport import ucx
+
     ok, why = ucx.available()
     print(f"UCX: {why}")
     rows = []
     for name, transport, tls in CASES:
-        if transport is Transport.UCX and not ok:
+        if transport == "ucx" and not ok:
             print(f"{name}: skipped ({why})")
             continue
         old = os.environ.get("UCX_TLS")
@@ -107,5 +118,12 @@ def main() -> int:
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gcache.bench.ucx_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,10 +1,11 @@
-"""GPU check for the staging path: run on a host with a CUDA GPU.
+"""``gcache bench gpu-check``: the staging path on a host with a CUDA GPU.
 
-    python bench/gpu_check.py [--size-mib 1] [--count 64]
+    gcache bench gpu-check [--size-mib 1] [--count 64]      # or: python -m gcache.bench.gpu_check
 
 Starts a local cluster, puts CUDA tensors through the pinned staging pool, reads them back into
 fresh CUDA tensors, checks them byte-exact, and prints GB/s next to the device<->pinned-host
-copy bandwidth measured in the same run (the ceiling staging can reach on this host).
+copy bandwidth measured in the same run (the ceiling staging can reach on this host). Exit 2
+when torch sees no CUDA device, 1 when the bytes differ.
 """
 
 from __future__ import annotations
@@ -12,21 +13,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mib", type=float, default=1.0, help="bytes per value, in MiB (default 1)")
     p.add_argument("--count", type=int, default=64, help="values per batch (default 64)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    args = p.parse_args()
+
+
+def run_cli(args: argparse.Namespace) -> int:
     import torch
 
-    from gcache import Client, Status
+    from gcache.client import Client
     from gcache.cluster import LocalCluster
+    from gcache.protocol import Status
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible to torch; nothing to check", file=sys.stderr)
+        print("gpu-check: no CUDA device visible to torch; nothing to check", file=sys.stderr)
         return 2
     n = int(args.size_mib * (1 << 20)) // 4
     src = [torch.rand(n, device="cuda") for _ in range(args.count)]
@@ -45,12 +49,14 @@ def main() -> int:
         keys = [f"gpu/{i}" for i in range(args.count)]
         t = time.perf_counter()
         for _ in range(args.rounds):
-            assert c.put(keys, src) == [Status.OK] * args.count
+            if c.put(keys, src) != [Status.OK] * args.count:
+                raise RuntimeError("gpu-check: a put failed")
         put = total * args.rounds / (time.perf_counter() - t) / 1e9
         dst = [torch.empty_like(s) for s in src]
         t = time.perf_counter()
         for _ in range(args.rounds):
-            assert c.get_into(keys, dst).hits == args.count
+            if c.get_into(keys, dst).hits != args.count:
+                raise RuntimeError("gpu-check: a get missed")
         torch.cuda.synchronize()
         get = total * args.rounds / (time.perf_counter() - t) / 1e9
         ok = all(torch.equal(a, b) for a, b in zip(src, dst))
@@ -58,6 +64,13 @@ def main() -> int:
     print(f"gcache put from CUDA tensors {put:.2f} GB/s ({put / d2h:.2f} of it), get into CUDA tensors "
           f"{get:.2f} GB/s ({get / d2h:.2f}); byte-exact: {ok}")
     return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gcache.bench.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""Every benchmark is a ``gcache bench`` subcommand in gcache.bench; bench/ holds no code."""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gcache.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ("throughput", "hitrate", "embedding", "soak", "swa-capacity", "store-ops", "ucx-check", "gpu-check")
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["bench"]
+
+
+def test_every_benchmark_is_a_subcommand():
+    b = bench_parser()
+    sub = next(a for a in b._actions if isinstance(a, argparse._SubParsersAction))
+    assert tuple(sub.choices) == COMMANDS
+    assert b.parse_args([]).fn.__qualname__ == b.parse_args(["throughput"]).fn.__qualname__
+
+
+def test_store_ops_runs_in_process_and_as_a_module(capsys):
+    args = bench_parser().parse_args(["store-ops", "--puts", "300", "--repeat", "1"])
+    assert args.fn(args) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("policy") and len(rows) >= 2 and all(len(r.split()) == 4 for r in rows[1:])
+    p = subprocess.run([sys.executable, "-m", "gcache.bench.store_ops", "--puts", "300", "--repeat", "1"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout.startswith("policy"), p.stderr[-2000:]
+
+
+def test_gpu_check_says_when_there_is_no_gpu(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu-check would measure it")
+    args = bench_parser().parse_args(["gpu-check"])
+    assert args.fn(args) == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_bench_directory_holds_no_code_and_nothing_edits_sys_path():
+    assert not list((ROOT / "bench").glob("*.py"))
+    for d in ("gcache", "router", "sglang_adapter"):
+        for dirpath, _, files in os.walk(ROOT / d):
+            for f in files:
+                if f.endswith(".py"):
+                    text = (Path(dirpath) / f).read_text()
+                    assert "sys.path.insert" not in text and "sys.path.append" not in text, f"{dirpath}/{f}"
