@@ -1,9 +1,10 @@
 """Running a batch: one request per owner (gcache.client.planner), all owners at once.
 
 All requests are sent before any reply is read, so the owners work in parallel and the batch
-costs one round trip. Pollable streams (TCP, Unix) are driven by one poll loop: the sends
-interleave, so a stalled owner holds up no other, then each reply is read as soon as its owner
-starts answering. Streams that are not pollable (UCX, memory) post their request at once and
+costs one round trip. Pollable streams (TCP, Unix) are driven by one poll loop: each frame is
+first sent without blocking (most leave whole at once), the rest interleave as their sockets take
+them, so a stalled owner holds up no other; then each reply is read as soon as its owner starts
+answering. Streams that are not pollable (UCX, memory) post their request at once and
 are read in the order their replies arrive. An owner without an idle connection is connected in
 a thread of its own, so one that does not answer costs only its own keys the connect timeout.
 """
@@ -78,7 +79,8 @@ class Fanout:
                         self.split_bytes, self.split_keys)
         epochs = [0]
         sync_jobs: dict[int, Job] = {}  # not pollable (UCX, memory): posted now, read below
-        sending: dict[int, Job] = {}
+        sending: dict[int, Job] = {}  # frames the socket did not take at once
+        sent: dict[int, Job] = {}  # whole frames out: replies to read
 
         def request(idxs: list[int], conn: Connection) -> tuple[Op, dict[str, Any], list[memoryview]]:
             meta, payload = op.request(idxs, [kbytes[i] for i in idxs])
@@ -127,8 +129,8 @@ class Fanout:
                     continue
                 req_op, meta, payload = request(req.idxs, conn)
                 conn.prepare(req_op, meta, payload, self.timeout_s)
-                if conn.stream.pollable:
-                    sending[conn.stream.fileno()] = (req.idxs, conn)
+                if conn.stream.pollable:  # a non-blocking send: most frames leave whole at once
+                    (sent if conn.send_some(deadline) else sending)[conn.stream.fileno()] = (req.idxs, conn)
                 else:
                     conn.send_some(deadline)  # posts the whole frame; completed when the reply is read
                     sync_jobs[conn.stream.fileno()] = (req.idxs, conn)
@@ -136,16 +138,16 @@ class Fanout:
                 self._failed(op, req.idxs, conn, exc, failures)
 
         threads = []
-        if len(late) == 1 and not sending and not sync_jobs:
+        if len(late) == 1 and not sending and not sent and not sync_jobs:
             connect_and_call(late[0])
         else:
             threads = [threading.Thread(target=connect_and_call, args=(r,), daemon=True) for r in late]
             for t in threads:
                 t.start()
-        receiving = self._poll_loop(op, sending, select.POLLOUT, deadline, failures,
-                                    lambda idxs, conn: conn.send_some(deadline))
+        sent.update(self._poll_loop(op, sending, select.POLLOUT, deadline, failures,
+                                    lambda idxs, conn: conn.send_some(deadline)))
         self._read_sync(op, sync_jobs, deadline, failures, receive)
-        self._poll_loop(op, receiving, select.POLLIN, deadline, failures, receive)
+        self._poll_loop(op, sent, select.POLLIN, deadline, failures, receive)
         for t in threads:
             t.join()
         return max(epochs)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gcache.client.localpath import commit_put, copy_out
-from gcache.client.replies import Dest, nbytes, recv_parts, statuses
+from gcache.client.replies import Dest, fill_views, nbytes, statuses
 from gcache.errors import ProtocolError
 from gcache.protocol import Op, Status
 from gcache.tier.valuemeta import ValueMeta
@@ -124,19 +124,20 @@ class GetOp(Operation):
         if sum(sz for st, sz in zip(sts, szs) if st is Status.OK) != plen:
             conn.broken = True
             raise ProtocolError(f"{conn.node}: GET reply sizes do not add up to its payload")
+        into: list[memoryview] = []  # every hit's bytes, in reply order: received in one go
         for i, st, sz in zip(idxs, sts, szs):
+            self.sizes_out[i] = sz
             if st is not Status.OK:
                 self.status[i] = st
                 continue
             dest = self.dest(i, sz)
             if nbytes(dest) < sz:
-                conn.discard(sz, deadline)
+                into.append(memoryview(bytearray(sz)))  # read and dropped, keeping the reply in sync
                 self.status[i] = Status.BUFFER_TOO_SMALL
-                self.sizes_out[i] = sz
                 continue
-            recv_parts(conn, dest, sz, deadline)
+            into += fill_views(dest, sz)
             self.status[i] = Status.OK
-            self.sizes_out[i] = sz
+        conn.recv_scatter(into, deadline)
         self.take_meta(idxs, reply)
 
     def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> None:

@@ -31,7 +31,20 @@ def parts(value: Any, writable: bool = False) -> list[memoryview]:
 
 
 def nbytes(dest: Dest) -> int:
-    return sum(map(len, dest)) if isinstance(dest, list) else len(dest)
+    return len(dest) if type(dest) is memoryview else sum(map(len, dest))
+
+
+def fill_views(dest: Dest, size: int) -> list[memoryview]:
+    """The views that ``size`` bytes fill, in order: one destination, or its parts."""
+    if not isinstance(dest, list):
+        return [dest[:size]]
+    out = []
+    for part in dest:
+        n = min(len(part), size)
+        if n:
+            out.append(part[:n])
+        size -= n
+    return out
 
 
 def recv_parts(conn: Connection, dest: Dest, size: int, deadline: float) -> None:

@@ -63,12 +63,13 @@ class SocketStream:
     through the seam costs exactly what a call on the socket costs."""
 
     pollable = True
-    __slots__ = ("close", "fileno", "gettimeout", "recv_into", "sendmsg", "setblocking", "settimeout",
-                 "shutdown", "sock")
+    __slots__ = ("close", "fileno", "gettimeout", "recv_into", "recvmsg_into", "sendmsg", "setblocking",
+                 "settimeout", "shutdown", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.recv_into = sock.recv_into
+        self.recvmsg_into = sock.recvmsg_into  # scatter reads (gcache.net.wire.recv_scatter)
         self.sendmsg = sock.sendmsg
         self.settimeout = sock.settimeout
         self.gettimeout = sock.gettimeout

@@ -33,6 +33,30 @@ def recv_exact(sock: Receiver, view: memoryview) -> None:
         got += n
 
 
+def recv_scatter(sock: Receiver, views: Sequence[memoryview]) -> None:
+    """Fill every view, in order: one recvmsg_into per IOV_MAX views where the stream has it
+    (a socket), else one exact read per view. Raises ConnectionResetError on EOF."""
+    recvmsg = getattr(sock, "recvmsg_into", None)
+    if recvmsg is None:
+        for v in views:
+            recv_exact(sock, v)
+        return
+    bufs = [v for v in views if len(v)]
+    i = 0
+    while i < len(bufs):
+        n = recvmsg(bufs[i : i + IOV_MAX])[0]
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection mid-payload")
+        while n:
+            head = bufs[i]
+            if n >= len(head):
+                n -= len(head)
+                i += 1
+            else:
+                bufs[i] = head[n:]
+                n = 0
+
+
 def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
     """Read and discard ``nbytes`` (the payload of a refused value), keeping the framing in sync."""
     while nbytes > 0:

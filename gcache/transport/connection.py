@@ -9,14 +9,36 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from gcache import protocol as P
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
 from gcache.net.stream import SocketStream, Stream
-from gcache.net.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, send_all
+from gcache.net.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, recv_scatter, send_all
+
+
+class _IO:
+    """The error translation of Connection._io (a class, not a generator: it runs per read)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if kind is None:
+            return
+        conn = self.conn
+        if issubclass(kind, TimeoutError):
+            conn.broken = True
+            raise CallTimeout(conn.node, conn._timeout) from None
+        if issubclass(kind, OSError):
+            conn.broken = True
+            raise ConnectionFailed(conn.node, str(exc) or kind.__name__) from None
 
 
 class Connection:
@@ -36,6 +58,7 @@ class Connection:
         self.arena: memoryview | None = None  # the daemon's arena, mapped read-only (local path only)
         self.arena_id = ""  # which incarnation of the daemon's arena that is
         self.last_epoch = 0
+        self._guard = _IO(self)
 
     def hello(self, token: str | None, deadline: float) -> None:
         """The data-plane handshake: prove the cluster token once (nothing to do without one).
@@ -56,21 +79,15 @@ class Connection:
     def __repr__(self) -> str:
         return f"Connection(node={self.node!r}, broken={self.broken}, pending={len(self._pending)})"
 
-    @contextmanager
-    def _io(self, deadline: float) -> Iterator[None]:
+    def _io(self, deadline: float) -> _IO:
+        """``with self._io(deadline):`` around stream calls: the stream's timeout set to what is
+        left, and its failures turned into CallTimeout / ConnectionFailed (the connection broken)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self.broken = True
             raise CallTimeout(self.node, self._timeout)
         self.stream.settimeout(remaining)
-        try:
-            yield
-        except TimeoutError:
-            self.broken = True
-            raise CallTimeout(self.node, self._timeout) from None
-        except OSError as exc:
-            self.broken = True
-            raise ConnectionFailed(self.node, str(exc) or type(exc).__name__) from None
+        return self._guard
 
     def prepare(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], timeout_s: float) -> int:
         """Queue one request frame for send_some(); returns its request id."""
@@ -195,6 +212,11 @@ class Connection:
     def recv_into(self, view: memoryview, deadline: float) -> None:
         with self._io(deadline):
             recv_exact(self.stream, view)
+
+    def recv_scatter(self, views: Sequence[memoryview], deadline: float) -> None:
+        """Fill ``views`` in order (a reply's values, one syscall for many where possible)."""
+        with self._io(deadline):
+            recv_scatter(self.stream, views)
 
     def discard(self, nbytes: int, deadline: float) -> None:
         with self._io(deadline):
