@@ -17,6 +17,8 @@ from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolEr
 from gcache.net.stream import SocketStream, Stream
 from gcache.net.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, recv_scatter, send_all
 
+READ_BUFFER = 64 << 10  # per connection: replies up to this size take one read
+
 
 class _IO:
     """The error translation of Connection._io (a class, not a generator: it runs per read)."""
@@ -49,7 +51,8 @@ class Connection:
         self.address = address
         self.stream = stream
         self.broken = False
-        self._hdr = memoryview(bytearray(P.HEADER_SIZE))
+        self._rbuf = memoryview(bytearray(READ_BUFFER))
+        self._r0 = self._r1 = 0  # the unread bytes are _rbuf[_r0:_r1]
         self._next_id = 1
         self._pending: list[int] = []
         self._out: list[Any] = []
@@ -139,13 +142,40 @@ class Connection:
         self._out = []
         return req_id
 
+    # -- reading: a per-connection buffer takes whatever has arrived (header, metadata and often
+    # the start of the payload) in one read; the payload readers below take from it first.
+    def _fill(self, n: int) -> memoryview:
+        """At least ``n`` (<= READ_BUFFER) unread bytes in the buffer; returns a view of the first n."""
+        buf, r0, r1 = self._rbuf, self._r0, self._r1
+        if r1 - r0 < n:
+            if r0:
+                buf[: r1 - r0] = buf[r0:r1]
+                r1 -= r0
+                r0 = self._r0 = 0
+            while r1 < n:
+                got = self.stream.recv_into(buf[r1:])
+                if not got:
+                    self._r1 = r1
+                    raise ConnectionResetError(f"peer closed the connection ({r1} of {n} bytes received)")
+                r1 += got
+            self._r1 = r1
+        return buf[r0:r0 + n]
+
+    def _buffered(self, view: memoryview) -> int:
+        """Copy what the buffer holds into the start of ``view``; returns how many bytes."""
+        n = min(self._r1 - self._r0, len(view))
+        if n:
+            view[:n] = self._rbuf[self._r0:self._r0 + n]
+            self._r0 += n
+        return n
+
     def recv_reply(self, deadline: float) -> tuple[dict[str, Any], int]:
         """Header and metadata of the next reply: (meta, payload length). An ERROR reply raises
         ServerError (the connection stays usable: error replies carry no payload)."""
         with self._io(deadline):
-            recv_exact(self.stream, self._hdr)
+            hdr = self._fill(P.HEADER_SIZE)
             try:
-                version, _op, flags, req_id, meta_len, payload_len = P.unpack_header(self._hdr)
+                version, _op, flags, req_id, meta_len, payload_len = P.unpack_header(hdr)
             except ValueError as exc:
                 self.broken = True
                 raise ProtocolError(f"{self.node}: {exc}") from None
@@ -154,10 +184,15 @@ class Connection:
                 self.broken = True
                 raise ProtocolError(f"{self.node}: unexpected reply (version {version}, id {req_id}, "
                                     f"expected {expected})")
-            raw = bytearray(meta_len)
-            recv_exact(self.stream, memoryview(raw))
+            self._r0 += P.HEADER_SIZE
+            if meta_len <= READ_BUFFER:
+                raw = self._fill(meta_len)
+                self._r0 += meta_len
+            else:
+                raw = memoryview(bytearray(meta_len))
+                recv_exact(self.stream, raw[self._buffered(raw):])
         try:
-            meta = P.decode_meta(memoryview(raw))
+            meta = P.decode_meta(raw)
         except ValueError as exc:
             self.broken = True
             raise ProtocolError(f"{self.node}: {exc}") from None
@@ -186,6 +221,9 @@ class Connection:
         stream = self.stream
         if not isinstance(stream, SocketStream):
             raise ConnectionFailed(self.node, "the local path needs a Unix socket stream")
+        if self._r0 != self._r1:
+            self.broken = True
+            raise ProtocolError(f"{self.node}: unexpected bytes before LMAP")
         self.send(P.Op.LMAP, {"rw": True} if writable else {}, [], deadline, self._timeout)
         buf, fds = bytearray(), []
         with self._io(deadline):
@@ -211,21 +249,33 @@ class Connection:
 
     def recv_into(self, view: memoryview, deadline: float) -> None:
         with self._io(deadline):
-            recv_exact(self.stream, view)
+            n = self._buffered(view)
+            if n < len(view):
+                recv_exact(self.stream, view[n:])
 
     def recv_scatter(self, views: Sequence[memoryview], deadline: float) -> None:
         """Fill ``views`` in order (a reply's values, one syscall for many where possible)."""
         with self._io(deadline):
-            recv_scatter(self.stream, views)
+            i = 0
+            while i < len(views) and self._r0 < self._r1:  # what the buffer already holds
+                n = self._buffered(views[i])
+                if n < len(views[i]):
+                    recv_scatter(self.stream, [views[i][n:], *views[i + 1:]])
+                    return
+                i += 1
+            recv_scatter(self.stream, views[i:])
 
     def discard(self, nbytes: int, deadline: float) -> None:
         with self._io(deadline):
-            drain(self.stream, nbytes, memoryview(bytearray(min(nbytes, DRAIN_CHUNK))))
+            held = min(nbytes, self._r1 - self._r0)
+            self._r0 += held
+            if nbytes > held:
+                drain(self.stream, nbytes - held, memoryview(bytearray(min(nbytes - held, DRAIN_CHUNK))))
 
     def idle_ok(self) -> bool:
         """An idle connection must have nothing to read: readable means the daemon closed it
         (it restarted or died), so it must not be reused."""
-        return self.stream.idle_ok()
+        return self._r0 == self._r1 and self.stream.idle_ok()
 
     def close(self) -> None:
         self.broken = True
