@@ -277,7 +277,7 @@ class Client:
             raise ValueError(err)
         if not keys:
             return
-        failures = self._fanout.run(op, [_key_bytes(k) for k in keys])
+        failures = self._fanout.run(op, [k if type(k) is bytes else _key_bytes(k) for k in keys])
         if failures and self.config.on_node_error is OnNodeError.RAISE:
             raise failures[0]
 

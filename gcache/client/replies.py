@@ -13,13 +13,16 @@ Dest = memoryview | list[memoryview]  # where one value goes: one buffer, or sev
 Meta = dict[str, Any]
 
 
+_STATUS = {int(s): s for s in Status}  # a dict lookup per key, not an Enum call
+
+
 def statuses(reply: Meta, n: int, node: str) -> list[Status]:
     st = reply.get("st")
     if not isinstance(st, list) or len(st) != n:
         raise ProtocolError(f"{node}: reply without one status per key")
     try:
-        return [Status(s) for s in st]
-    except ValueError:
+        return [_STATUS[s] for s in st]
+    except (KeyError, TypeError):
         raise ProtocolError(f"{node}: unknown status in reply") from None
 
 
