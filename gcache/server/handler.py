@@ -248,7 +248,7 @@ class Handler:
 
     def _key_status(self, ns: str, key: object) -> Status | None:
         """BAD_KEY or NOT_OWNER for a key this request must not touch, else None."""
-        if P.key_error(key) or not isinstance(key, bytes):
+        if type(key) is not bytes or not 0 < len(key) <= P.MAX_KEY_BYTES:  # P.key_error, inlined
             return Status.BAD_KEY
         if self._owner_check is not None and not self._owner_check(ns, key):
             return Status.NOT_OWNER
