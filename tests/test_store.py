@@ -195,3 +195,26 @@ def test_overwrite_survives_restart_as_the_new_value(tiered, tmp_path):
     t = NvmeTier(str(tmp_path / "disk"), 4 << 20, segment_bytes=256 * KB)
     assert not t.contains(("ns", b"k"))
     t.close()
+
+
+def test_batched_lookups_agree_with_single_ones_across_tiers(tiered):
+    """acquire_many / exists_many (one lock per request) answer what acquire / exists answer,
+    for RAM hits, disk hits, misses and skipped (None) keys, and pin what they return."""
+    s = tiered(promote_on_hit=False)
+    values = {b"k%03d" % i: os.urandom(10 * KB) for i in range(30)}  # most end up on disk only
+    for k, v in values.items():
+        assert s.put(("ns", k), v) is Status.OK
+    assert s.flush()
+    keys = [("ns", k) for k in values] + [("ns", b"missing"), None]
+    assert s.exists_many(keys) == [s.exists(k) for k in keys[:-1]] + [False]
+    assert s.exists_many(keys)[:30] == [True] * 30
+    hits = s.acquire_many(keys)
+    try:
+        assert [bytes(h.view) if h is not None else None for h in hits] == list(values.values()) + [None, None]
+        on_ram = [h for h in hits if h is not None and h.entry is not None]
+        assert on_ram and all(h.entry.pins == 1 for h in on_ram)  # pinned until released
+    finally:
+        for h in hits:
+            if h is not None:
+                s.release(h)
+    assert all(h.entry.pins == 0 for h in on_ram)

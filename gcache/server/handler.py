@@ -37,6 +37,7 @@ limited = RateLimitedLog(log)
 SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's first refusal
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
+OK, NOT_FOUND = int(Status.OK), int(Status.NOT_FOUND)
 JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
 
 
@@ -296,28 +297,20 @@ class Handler:
             consumed += size
         return {"st": status}, consumed
 
-    def _acquire_keys(self, ns: str, keys: list) -> tuple[list[Hit | None], list[int], list[int]]:
-        """Pin each key's value: (the Hit or None, the Status, the size) per key. On an error
-        midway, what was pinned is released before the error propagates."""
-        got: list[Hit | None] = []
+    def _acquire_keys(self, ns: str, keys: list[Any]) -> tuple[list[Hit | None], list[int], list[int]]:
+        """Pin each key's value: (the Hit or None, the Status, the size) per key (one store lock
+        for the RAM hits of the whole request)."""
+        refused = [self._key_status(ns, key) for key in keys]
+        got = self.store.acquire_many([(ns, k) if r is None else None for k, r in zip(keys, refused)])
         status: list[int] = []
         sizes: list[int] = []
-        try:
-            for key in keys:
-                refused = self._key_status(ns, key)
-                hit = None if refused is not None else self.store.acquire((ns, key))
-                got.append(hit)
-                if hit is None:
-                    status.append(int(refused if refused is not None else Status.NOT_FOUND))
-                    sizes.append(0)
-                else:
-                    status.append(int(Status.OK))
-                    sizes.append(len(hit.view))
-        except BaseException:
-            for hit in got:
-                if hit is not None:
-                    self.store.release(hit)
-            raise
+        for hit, r in zip(got, refused):
+            if hit is None:
+                status.append(int(r if r is not None else Status.NOT_FOUND))
+                sizes.append(0)
+            else:
+                status.append(OK)
+                sizes.append(len(hit.view))
         return got, status, sizes
 
     def _get(self, req_id: int, meta: dict[str, Any]) -> int:
@@ -351,25 +344,37 @@ class Handler:
             if self.metrics is not None and self.metrics.address:
                 stats["metrics_address"] = self.metrics.address  # `gcache stats` scrapes it
             return {"node": self.node_id, "stats": stats}
+        if op is Op.EXISTS:
+            return self._exists(meta)
+        return self._delete(meta)
+
+    def _exists(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """A pure probe: one store lock for the whole request; ``tail`` re-marks restore-point
+        pages of a pool."""
         ns, keys = self._ns_keys(meta)
-        fn: Callable[[tuple[str, bytes]], bool] = self.store.exists if op is Op.EXISTS else self.store.delete
-        if op is Op.EXISTS and "tail" in meta:  # re-mark restore-point pages of a pool
+        tails: list[int | None] | None = None
+        if "tail" in meta:
             pooled = parse_pool_meta(meta, len(keys), "EXISTS")
             if isinstance(pooled, str):
                 raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
-            marks = {k: m for k, m in zip(keys, pooled[2] or []) if isinstance(k, bytes)}
-            fn = lambda k: self.store.exists(k, marks.get(k[1]))
-        log_ = self.agent.touchlog if self.agent is not None and op is Op.DELETE else None
+            tails = list(pooled[2]) if pooled[2] is not None else None
+        refused = [self._key_status(ns, k) for k in keys]
+        found = self.store.exists_many([(ns, k) if r is None else None for k, r in zip(keys, refused)], tails)
+        out = [int(r) if r is not None else (OK if f else NOT_FOUND) for r, f in zip(refused, found)]
+        reply: dict[str, Any] = {"st": out}
+        self._mark_final_misses(ns, keys, out, reply)
+        return reply
+
+    def _delete(self, meta: dict[str, Any]) -> dict[str, Any]:
+        ns, keys = self._ns_keys(meta)
+        log_ = self.agent.touchlog if self.agent is not None else None
         out: list[int] = []
         for k in keys:
             refused = self._key_status(ns, k)
             if refused is None and log_ is not None:
                 log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
-            out.append(int(refused if refused is not None else (Status.OK if fn((ns, k)) else Status.NOT_FOUND)))
-        reply: dict[str, Any] = {"st": out}
-        if op is Op.EXISTS:
-            self._mark_final_misses(ns, keys, out, reply)
-        return reply
+            out.append(int(refused if refused is not None else (OK if self.store.delete((ns, k)) else NOT_FOUND)))
+        return {"st": out}
 
     def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:
         """``reply["tomb"]``: positions of misses of keys a client wrote or deleted here lately,

@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
@@ -205,6 +206,35 @@ class Store:
                 return Hit(self.arena.slot(entry.off, entry.size), entry)
         return self._acquire_from_disk(key)
 
+    def acquire_many(self, keys: Sequence[Key | None]) -> list[Hit | None]:
+        """acquire() for each key (None: skipped, a miss) under one lock for the RAM part; keys
+        only on disk are read afterwards, outside it."""
+        out: list[Hit | None] = [None] * len(keys)
+        disk: list[tuple[int, Key]] = []
+        with self._lock:
+            now = time.time()
+            hits = 0
+            for i, key in enumerate(keys):
+                if key is None:
+                    continue
+                entry = self.ram.lookup(key, now) or self._queued(key, now)
+                if entry is None:
+                    disk.append((i, key))
+                    continue
+                entry.pins += 1
+                out[i] = Hit(self.arena.slot(entry.off, entry.size), entry)
+                hits += 1
+            self.counters["hits_ram"] += hits
+        try:
+            for i, key in disk:
+                out[i] = self._acquire_from_disk(key)
+        except BaseException:
+            for hit in out:
+                if hit is not None:
+                    self.release(hit)
+            raise
+        return out
+
     def release(self, hit: Hit) -> None:
         if hit.entry is not None:
             with self._lock:
@@ -276,6 +306,30 @@ class Store:
             if e is not None or self._queued(key, now) is not None:
                 return True
         return self.nvme is not None and self.nvme.contains(key)
+
+    def exists_many(self, keys: Sequence[Key | None], tails: Sequence[int | None] | None = None) -> list[bool]:
+        """exists() for each key (None: skipped, False) under one lock for the RAM part."""
+        out = [False] * len(keys)
+        disk: list[int] = []
+        with self._lock:
+            now = time.time()
+            for i, key in enumerate(keys):
+                if key is None:
+                    continue
+                e = self.ram.lookup(key, now)
+                tail = tails[i] if tails is not None else None
+                if e is not None and tail is not None and e.group is not None and e.tail != tail:
+                    e.group.touch(key, e, self.ram.bucket(now), tail)
+                if e is not None or self._queued(key, now) is not None:
+                    out[i] = True
+                else:
+                    disk.append(i)
+        nvme = self.nvme
+        if nvme is not None:
+            for i in disk:
+                key = keys[i]
+                out[i] = key is not None and nvme.contains(key)
+        return out
 
     def delete(self, key: Key, if_seq: int | None = None) -> bool:
         """Delete ``key`` (True if it was stored). With ``if_seq``, only if the stored value is
