@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from gcache import protocol as P
 from gcache.net.stream import Stream
-from gcache.net.wire import drain, recv_exact, send_all
+from gcache.net.wire import drain, recv_scatter, send_all
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
 from gcache.server.framing import FrameReader, Refused
 from gcache.tier.pools import parse_pool_meta
-from gcache.tier.store import Hit, Store
-from gcache.tier.valuemeta import parse_value_meta
+from gcache.tier.store import Hit, Reservation, Store
+from gcache.tier.valuemeta import ValueMeta, parse_value_meta
 
 if TYPE_CHECKING:
     from gcache.server.agent import Agent
@@ -38,7 +38,8 @@ SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 OK, NOT_FOUND = int(Status.OK), int(Status.NOT_FOUND)
-JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
+JOIN_WAIT_S = 1.0
+PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much  # a request that arrives while the daemon (re)registers waits this long for it
 
 
 def value_meta_list(got: list[Hit | None]) -> list:
@@ -271,31 +272,56 @@ class Handler:
         log_ = self.agent.touchlog if self.agent is not None else None
         handover = log_ is not None and bool(meta.get("ho"))  # a previous owner's pushed copies
         status: list[int] = []
-        consumed = 0
-        for i, (key, size) in enumerate(zip(keys, sizes)):
-            st = self._key_status(ns, key)
-            if st is None and log_ is not None and not handover:
-                log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
-            res = self.store.reserve(size, group) if st is None else st
-            if isinstance(res, Status):
-                drain(self.stream, size, self._scratch)
-                status.append(int(res))
-            else:
-                try:
-                    recv_exact(self.stream, res.view)
-                except BaseException:
-                    self.store.abort(res)
-                    raise
-                args = ((ns, key), res, vmeta[i])
+        chunk: list[tuple[int, Reservation]] = []  # reserved, not received yet
+        chunk_bytes = 0
+        try:
+            for i, (key, size) in enumerate(zip(keys, sizes)):
+                st = self._key_status(ns, key)
+                if st is None and log_ is not None and not handover:
+                    log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
+                res = self.store.reserve(size, group) if st is None else st
+                if isinstance(res, Status):
+                    self._land(ns, keys, vmeta, chunk, handover)
+                    chunk, chunk_bytes = [], 0
+                    drain(self.stream, size, self._scratch)
+                    status.append(int(res))
+                    continue
+                chunk.append((i, res))
+                chunk_bytes += size
+                status.append(OK)
+                if chunk_bytes >= PUT_CHUNK_BYTES:
+                    self._land(ns, keys, vmeta, chunk, handover)
+                    chunk, chunk_bytes = [], 0
+            self._land(ns, keys, vmeta, chunk, handover)
+        except BaseException:
+            for _i, res in chunk:
+                self.store.abort(res)
+            raise
+        return {"st": status}, payload_len
+
+    def _land(self, ns: str, keys: list[Any], vmeta: list[ValueMeta], chunk: list[tuple[int, Reservation]],
+              handover: bool) -> None:
+        """Receive the values of ``chunk`` into their reserved slots in one scatter read, then
+        commit them in key order (a handover copy only where no client wrote or deleted the key)."""
+        if not chunk:
+            return
+        recv_scatter(self.stream, [res.view for _i, res in chunk])
+        log_ = self.agent.touchlog if self.agent is not None else None
+        for n, (i, res) in enumerate(chunk):
+            args = ((ns, keys[i]), res, vmeta[i])
+            try:
                 if handover:
-                    assert log_ is not None  # stored only where no client wrote or deleted it first
-                    if not log_.admit((ns, key), self.store.exists, functools.partial(self.store.commit, *args)):
+                    assert log_ is not None
+                    if not log_.admit((ns, keys[i]), self.store.exists, functools.partial(self.store.commit, *args)):
                         self.store.abort(res)  # superseded here: as good as handed over
                 else:
                     self.store.commit(*args)
-                status.append(int(Status.OK))
-            consumed += size
-        return {"st": status}, consumed
+            except BaseException:
+                for _j, rest in chunk[n + 1:]:
+                    self.store.abort(rest)
+                chunk.clear()
+                raise
+        chunk.clear()
 
     def _acquire_keys(self, ns: str, keys: list[Any]) -> tuple[list[Hit | None], list[int], list[int]]:
         """Pin each key's value: (the Hit or None, the Status, the size) per key (one store lock
