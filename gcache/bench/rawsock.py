@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from gcache.net.stream import SocketStream, Stream
 from gcache.net.wire import recv_exact, send_all, tune
 
 REQ = struct.Struct("<cQ")
@@ -48,25 +49,28 @@ def serve(max_bytes: int) -> None:
 class RawSocketPeer:
     """A ceiling server in a child process, and a client connection to it."""
 
+    module = "gcache.bench.rawsock"
+
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.proc = subprocess.Popen([sys.executable, "-m", "gcache.bench.rawsock", str(max_bytes)],
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, str(max_bytes)],
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        tune(self.sock)
+        sock = socket.create_connection(("127.0.0.1", port))
+        tune(sock)
+        self.stream: Stream = SocketStream(sock)
         self.buf = memoryview(bytearray(max_bytes))
         self.buf[:] = b"\x01" * max_bytes
         self._one = memoryview(bytearray(1))
 
     def get(self, n: int) -> None:
-        self.sock.sendall(REQ.pack(b"G", n))
-        recv_exact(self.sock, self.buf[:n])
+        send_all(self.stream, [REQ.pack(b"G", n)])
+        recv_exact(self.stream, self.buf[:n])
 
     def put(self, n: int) -> None:
-        send_all(self.sock, [REQ.pack(b"P", n), self.buf[:n]])
-        recv_exact(self.sock, self._one)
+        send_all(self.stream, [REQ.pack(b"P", n), self.buf[:n]])
+        recv_exact(self.stream, self._one)
 
     def measure(self, op: str, n: int, seconds: float) -> tuple[float, list[float]]:
         """GB/s and per-request latencies (s) of ``op`` moving n bytes per request."""
@@ -84,7 +88,7 @@ class RawSocketPeer:
         return n * len(lat) / (time.perf_counter() - t0) / 1e9, lat
 
     def close(self) -> None:
-        self.sock.close()
+        self.stream.close()
         self.proc.kill()
         self.proc.wait()
 

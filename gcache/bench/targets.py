@@ -11,7 +11,7 @@ into fresh memory fault at ~1.7 GB/s here and would otherwise be what is measure
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -175,6 +175,26 @@ class Socket(Target):
 
     def close(self) -> None:
         self.peer.close()
+
+
+class UcxRaw(Socket):
+    """The UCX ceiling: the socket ceiling's requests as UCX tag messages between two processes
+    (gcache.bench.rawucx), with the same UCX_TLS as gcache's UCX path in this run."""
+
+    system, transport = "ucx-raw", "ucx"
+
+    def __init__(self, max_bytes: int) -> None:
+        from gcache.bench.rawucx import RawUcxPeer
+        from gcache.transport import ucx
+
+        ok, why = ucx.available()
+        if not ok:
+            raise BenchError(why)
+        self.peer = RawUcxPeer(max_bytes)
+
+    def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
+        return replace(super().measure(op, size, batch, threads, seconds), system=self.system,
+                       transport=self.transport)
 
 
 class GcacheUcx(GcacheTcp):

@@ -21,6 +21,7 @@ from gcache.bench.targets import (
     Memcpy,
     Socket,
     Target,
+    UcxRaw,
     Unavailable,
     gcache_transport,
 )
@@ -29,6 +30,7 @@ from gcache.sizes import format_size, parse_size
 
 PEERS = ("redis", "mooncake")
 CEILINGS = ("socket", "memcpy")
+RAW = (*CEILINGS, "ucx-raw")  # ceilings: no peer ratios to or from them
 
 
 @dataclass(frozen=True)
@@ -81,16 +83,18 @@ def attach_ratios(records: list[Record]) -> list[Record]:
         name = r.system if r.system != "gcache" or r.transport == "tcp" else f"gcache/{r.transport}"
         by_key.setdefault(r.key, {})[name] = r
     socket_by = {(r.op, r.value_bytes, r.batch): r for r in records if r.system == "socket"}
+    ucx_by = {(r.op, r.value_bytes, r.batch): r for r in records if r.system == "ucx-raw"}
     out = []
     for r in records:
         peers = by_key[r.key]
-        remote = r.transport.split("-")[0] in ("tcp", "ucx")
-        ceil = socket_by.get((r.op, r.value_bytes, r.batch)) if remote else peers.get("memcpy")
+        carrier = r.transport.split("-")[0]
+        ceil = (socket_by if carrier == "tcp" else ucx_by).get((r.op, r.value_bytes, r.batch)) \
+            if carrier in ("tcp", "ucx") else peers.get("memcpy")
         ceiling = ceil.gbps if ceil is not None else 0.0
         metric = (lambda x: x.ops_per_s) if r.op == "exists" else (lambda x: x.gbps)
         mine = metric(r)
         ratios = {name: round(mine / metric(p), 4) for name, p in peers.items()
-                  if p is not r and metric(p) > 0 and name not in CEILINGS and r.system not in CEILINGS}
+                  if p is not r and metric(p) > 0 and name not in RAW and r.system not in RAW}
         out.append(replace(r, ceiling_gbps=ceiling, ratio=round(r.gbps / ceiling, 4) if ceiling else 0.0,
                            ratios=ratios))
     return out
@@ -111,6 +115,11 @@ def run_throughput(addresses: list[str], profile: Profile, mem_budget: int, tran
             systems.append(Socket(max_bytes))
         if "memcpy" in ceilings:
             systems.append(Memcpy())
+        if "ucx" in transports and "socket" in ceilings:  # gcache over UCX beside raw UCX
+            try:
+                systems.append(UcxRaw(max_bytes))
+            except BenchError as exc:
+                say(f"skipping the raw UCX ceiling: {exc}")
         for name in transports:
             t = gcache_transport(name, addresses, mem_budget)
             if isinstance(t, Unavailable):
@@ -148,8 +157,8 @@ def applies(s: Target, config: tuple[str, int, int, int], socket_threads: int) -
     """Ceilings move bytes, so they have no exists figure; the socket ceiling is one stream,
     measured once per (op, size, batch), at the smallest thread count."""
     op, _, _, threads = config
-    if s.system in ("socket", "memcpy"):
-        return op != "exists" and (s.system != "socket" or threads == socket_threads)
+    if s.system in ("socket", "memcpy", "ucx-raw"):
+        return op != "exists" and (s.system == "memcpy" or threads == socket_threads)
     return True
 
 

@@ -59,7 +59,7 @@ def worker_for(host: str) -> Any:
     return worker
 
 
-def _endpoint(worker: Any, host: str, peer: bytes) -> Any:
+def endpoint(worker: Any, host: str, peer: bytes) -> Any:
     """An endpoint to the worker at ``peer``. With error handling where the transports allow it:
     without it, destroying a TCP endpoint whose peer has gone spins (measured: the thread never
     ends); shared-memory-only endpoints refuse it ("Destination is unreachable") and tear down
@@ -104,7 +104,7 @@ def dial(stream: Stream, address: str, call: Call) -> UcxStream:
     peer = reply.get("addr")
     if not isinstance(peer, bytes):
         raise ConnectionError("UCX_CONNECT reply without a worker address")
-    ep = _endpoint(worker, host, peer)
+    ep = endpoint(worker, host, peer)
     return UcxStream(worker, ep, 2 * cid, 2 * cid + 1, stream)
 
 
@@ -113,5 +113,5 @@ def accept(stream: Stream, host: str, peer: bytes, cid: int) -> tuple[UcxStream,
     worker and an endpoint to the client's worker ``peer``; returns the stream and the worker
     address to answer with."""
     worker = worker_for(host)
-    ep = _endpoint(worker, host, peer)
+    ep = endpoint(worker, host, peer)
     return UcxStream(worker, ep, 2 * cid + 1, 2 * cid, stream), worker.address.tobytes()
