@@ -17,7 +17,31 @@ import time
 from gcache.net.stream import SocketStream, Stream
 from gcache.net.wire import recv_exact, send_all, tune
 
-REQ = struct.Struct("<cQ")
+REQ = struct.Struct("<cQQ")  # op (b"G" / b"P"), bytes, bytes per message (0: one message)
+
+
+def pieces(buf: memoryview, n: int, piece: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``buf`` as messages of ``piece`` bytes (one value each)."""
+    step = piece or n or 1
+    return [buf[i:min(i + step, n)] for i in range(0, n, step)]
+
+
+def answer(stream: Stream, buf: memoryview) -> None:
+    """Serve requests on ``stream`` until the peer goes away: a get is answered with n bytes of
+    ``buf`` in messages of the asked size, a put's n bytes are received into ``buf`` and
+    answered with one byte."""
+    req = memoryview(bytearray(REQ.size))
+    try:
+        while True:
+            recv_exact(stream, req)
+            op, n, piece = REQ.unpack(req)
+            if op == b"G":
+                send_all(stream, pieces(buf, n, piece))
+            else:
+                recv_exact(stream, buf[:n])
+                send_all(stream, [b"k"])
+    except (OSError, ConnectionError):
+        stream.close()
 
 
 def serve(max_bytes: int) -> None:
@@ -25,25 +49,10 @@ def serve(max_bytes: int) -> None:
     print(lsock.getsockname()[1], flush=True)
     buf = memoryview(bytearray(max_bytes))
     buf[:] = b"\x5a" * max_bytes
-
-    def conn_loop(sock: socket.socket) -> None:
-        tune(sock)
-        req = memoryview(bytearray(REQ.size))
-        try:
-            while True:
-                recv_exact(sock, req)
-                op, n = REQ.unpack(req)
-                if op == b"G":
-                    send_all(sock, [buf[:n]])
-                else:
-                    recv_exact(sock, buf[:n])
-                    sock.sendall(b"k")
-        except (OSError, ConnectionError):
-            sock.close()
-
     while True:
         s, _ = lsock.accept()
-        threading.Thread(target=conn_loop, args=(s,), daemon=True).start()
+        tune(s)
+        threading.Thread(target=answer, args=(SocketStream(s), buf), daemon=True).start()
 
 
 class RawSocketPeer:
@@ -64,12 +73,12 @@ class RawSocketPeer:
         self.buf[:] = b"\x01" * max_bytes
         self._one = memoryview(bytearray(1))
 
-    def get(self, n: int) -> None:
-        send_all(self.stream, [REQ.pack(b"G", n)])
+    def get(self, n: int, piece: int = 0) -> None:
+        send_all(self.stream, [REQ.pack(b"G", n, piece)])
         recv_exact(self.stream, self.buf[:n])
 
-    def put(self, n: int) -> None:
-        send_all(self.stream, [REQ.pack(b"P", n), self.buf[:n]])
+    def put(self, n: int, piece: int = 0) -> None:
+        send_all(self.stream, [REQ.pack(b"P", n, piece), *pieces(self.buf, n, piece)])
         recv_exact(self.stream, self._one)
 
     def measure(self, op: str, n: int, seconds: float) -> tuple[float, list[float]]:

@@ -1,11 +1,11 @@
 """The raw UCX ceiling: the same request/response shape as gcache.bench.rawsock, over UCX tag
-messages between two processes, with nothing of gcache's protocol in the way.
+messages between two processes, with nothing of gcache's protocol in the way (each value one
+message, as gcache sends them).
 
 Both ends use UCX exactly as gcache's UCX transport does (gcache.transport.ucx: one worker per
 connection in blocking-progress mode, the UCX_TLS / UCX_NET_DEVICES of the environment, worker
-addresses exchanged over a TCP connection that then only watches liveness). A request is one tag
-message (b"G"/b"P" + u64 n); a get is answered with one n-byte message, a put's n bytes follow the
-request as one message and are answered with one byte.
+addresses exchanged over a TCP connection that then only watches liveness); requests and answers
+are gcache.bench.rawsock's.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import socket
 import struct
 import sys
 
-from gcache.bench.rawsock import RawSocketPeer
+from gcache.bench.rawsock import RawSocketPeer, answer
 from gcache.net.stream import SocketStream
-from gcache.net.wire import recv_exact, send_all, tune
+from gcache.net.wire import recv_exact, tune
 
-REQ = struct.Struct("<cQ")
 LEN = struct.Struct("<I")
 
 
@@ -45,18 +44,7 @@ def serve(max_bytes: int) -> None:
     stream = UcxStream(worker, setup.endpoint(worker, "127.0.0.1", peer), 1, 0, SocketStream(sock))
     buf = memoryview(bytearray(max_bytes))
     buf[:] = b"\x5a" * max_bytes
-    req = memoryview(bytearray(REQ.size))
-    try:
-        while True:
-            recv_exact(stream, req)
-            op, n = REQ.unpack(req)
-            if op == b"G":
-                send_all(stream, [buf[:n]])
-            else:
-                recv_exact(stream, buf[:n])
-                send_all(stream, [b"k"])
-    except (OSError, ConnectionError):
-        stream.close()
+    answer(stream, buf)
 
 
 class RawUcxPeer(RawSocketPeer):

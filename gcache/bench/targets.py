@@ -167,9 +167,9 @@ class Socket(Target):
     def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
         n = size * batch
         fn = self.peer.get if op == "get" else self.peer.put
-        fn(n)
+        fn(n, size)  # one message per value, as gcache sends them
 
-        timing = drive([lambda i: fn(n) is None], seconds, "socket")
+        timing = drive([lambda i: fn(n, size) is None], seconds, self.system)
         return from_latencies("socket", op, size, batch, 1, timing.elapsed_s, timing.batches,
                               timing.latencies_s, self.transport)
 
