@@ -53,6 +53,7 @@ class EvictionKind(enum.Enum):
     LRU = "lru"
     REUSE = "reuse"
     S3FIFO = "s3fifo"
+    SLRU = "slru"
 
 
 class DiskAdmission(enum.Enum):
@@ -76,6 +77,11 @@ class EvictionConfig:
     small_fraction: float = 0.1
     ghost_factor: float = 1.0
     disk: DiskAdmission = DiskAdmission.ALL
+    probation: float = 0.55
+    min_probation: float = 0.05
+    max_probation: float = 0.95
+    adapt_step: float = 0.0005
+    marginal: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, EvictionKind):
@@ -88,6 +94,12 @@ class EvictionConfig:
             raise ConfigError(f"small_fraction={self.small_fraction}: must be in (0, 1)")
         if not 0 <= self.ghost_factor <= 16:
             raise ConfigError(f"ghost_factor={self.ghost_factor}: must be in [0, 16]")
+        if not 0 < self.min_probation <= self.probation <= self.max_probation < 1:
+            raise ConfigError(f"probation={self.probation}: need 0 < min_probation ({self.min_probation}) <= "
+                              f"probation <= max_probation ({self.max_probation}) < 1")
+        if not 0 <= self.adapt_step < 1 or not 0 < self.marginal <= 1:
+            raise ConfigError(f"adapt_step={self.adapt_step}, marginal={self.marginal}: need adapt_step in "
+                              "[0, 1) and marginal in (0, 1]")
 
     @classmethod
     def parse(cls, name: str) -> EvictionConfig:
@@ -376,9 +388,10 @@ class S3FifoPolicy(EvictionPolicy):
                 queue.move_to_end(key)
 
 
-_POLICIES: dict[EvictionKind, type[EvictionPolicy]] = {p.kind: p for p in (LruPolicy, ReusePolicy, S3FifoPolicy)}
-
-
 def make_policy(config: EvictionConfig, capacity: int) -> EvictionPolicy:
     """The policy ``config.kind`` for ``capacity`` bytes."""
-    return _POLICIES[config.kind](config, capacity)
+    from gcache.tier.slru import SlruPolicy  # its own module (it builds on this one)
+
+    policies: dict[EvictionKind, type[EvictionPolicy]] = {
+        p.kind: p for p in (LruPolicy, ReusePolicy, S3FifoPolicy, SlruPolicy)}
+    return policies[config.kind](config, capacity)
