@@ -200,7 +200,7 @@ def test_seq_ghost_ages_and_bound():
 # -- config and disk admission -----------------------------------------------------------------------
 def test_config_validation_and_parse():
     assert EvictionConfig.parse("s3fifo").kind is EvictionKind.S3FIFO
-    assert EvictionConfig().kind is EvictionKind.REUSE
+    assert EvictionConfig().kind is EvictionKind.SLRU
     with pytest.raises(ConfigError, match="choose one of"):
         EvictionConfig.parse("arc")
     for bad in ({"reused_weight": 0}, {"protect": 1.0}, {"small_fraction": 0}, {"ghost_factor": -1},
@@ -291,7 +291,8 @@ def test_store_keeps_a_hot_set_through_a_scan(kind):
 
 
 def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
-    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(protect=0.0, reused_weight=0.5)))
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(EvictionKind.REUSE, protect=0.0,
+                                                                         reused_weight=0.5)))
     try:
         for i in range(3):
             assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK
@@ -311,7 +312,7 @@ def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
 
 def test_store_writes_only_admitted_victims_to_disk(tmp_path):
     s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
-                          eviction=EvictionConfig(protect=0.0, disk=DiskAdmission.REUSED)))
+                          eviction=EvictionConfig(EvictionKind.REUSE, protect=0.0, disk=DiskAdmission.REUSED)))
     try:
         for i in range(4):
             s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB)

@@ -71,17 +71,17 @@ class EvictionConfig:
     small_fraction (s3fifo): the small FIFO's share of the capacity, in (0, 1). ghost_factor:
     ghost entries per resident entry (reuse, s3fifo). disk: which victims go to NVMe."""
 
-    kind: EvictionKind = EvictionKind.REUSE
+    kind: EvictionKind = EvictionKind.SLRU
     reused_weight: float = 0.65
     protect: float = 0.3
     small_fraction: float = 0.1
     ghost_factor: float = 1.0
     disk: DiskAdmission = DiskAdmission.ALL
-    probation: float = 0.55
+    probation: float = 0.6
     min_probation: float = 0.05
     max_probation: float = 0.95
     adapt_step: float = 0.0005
-    marginal: float = 0.05
+    marginal: float = 0.2
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, EvictionKind):

@@ -10,7 +10,7 @@ again (or written again soon after it was evicted, remembered by its hash in a g
 moves to main, where an unbroken run of such entries (a conversation that went on, a shared
 system prompt) stays while fresh blocks pass through probation.
 
-The probation share (``probation``, 0.55 at start, in [``min_probation``, ``max_probation``])
+The probation share (``probation``, 0.6 at start, in [``min_probation``, ``max_probation``])
 follows the marginal value of each list: each list has a ghost list of the keys it evicted,
 numbered in eviction order; a key written again among the last ``marginal`` x resident keys a
 list evicted would have been a hit had that list been slightly larger, so the share moves
