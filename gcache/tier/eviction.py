@@ -3,7 +3,11 @@ to NVMe on its way out. Pure objects over keys (no bytes, no locks, no sockets),
 per operation and bounded in memory; the store's lock covers them.
 
 * ``lru``: least recently used first (what the store did before policies existed).
-* ``reuse`` (the default): two LRU lists, *fresh* entries (never referenced since they were
+* ``slru`` (the default, gcache.tier.slru): a probation LRU for entries never referenced since
+  they were written and a main LRU for the others; a key written again soon after its eviction
+  (ghost lists of hashes) enters main; the probation share of the bytes adapts to which list's
+  ghosts see more marginal hits. A scan stays in probation.
+* ``reuse``: two LRU lists, *fresh* entries (never referenced since they were
   written) and *reused* ones (referenced again, or written again shortly after being evicted:
   a *ghost* list remembers the hashes of as many evicted keys as there are resident ones). The
   victim is the older of the two list heads, where a reused entry's age counts
@@ -15,10 +19,12 @@ per operation and bounded in memory; the store's lock covers them.
   reaches the head, the others are evicted into a ghost list, and a key found in the ghost list
   enters main directly. Main is a FIFO with 2-bit reference counts and reinsertion.
 
-Picked by replaying the conversation trace (``gcache bench hitrate``, bench/RESULTS.md):
-``reuse`` gains 0.6-1.8 points over a global LRU below 20% of the working set and is never
-more than 0.3 points below it at any capacity; ``s3fifo`` gains more below 3% but loses up to
-4.4 points from 5% on (its small FIFO forgets a conversation before its next turn arrives).
+Picked by replaying the conversation trace (``gcache bench hitrate``, bench/RESULTS.md), 12
+capacities from 1% to 100% of the working set, simulated: ``slru`` gains 1-3.8 points over a
+global LRU up to 10% of the working set (1.5 at 5%) and is at most 0.45 points below it (at
+20%); ``reuse`` gains 0.8-1.8 below 10% and is at most 0.33 below; ``s3fifo`` gains more below
+3% but loses up to 4.4 points from 5% on (its small FIFO forgets a conversation before its next
+turn arrives).
 Chain position is not used: ordering by it (deepest first among the oldest) measured no gain.
 
 Pooled entries (``--pool-budget``, gcache.tier.pools) keep their own prefix-aware order; a
