@@ -20,9 +20,9 @@ per operation and bounded in memory; the store's lock covers them.
   enters main directly. Main is a FIFO with 2-bit reference counts and reinsertion.
 
 Picked by replaying the conversation trace (``gcache bench hitrate``, bench/RESULTS.md), 12
-capacities from 1% to 100% of the working set, simulated: ``slru`` gains 1-3.8 points over a
-global LRU up to 10% of the working set (1.5 at 5%) and is at most 0.45 points below it (at
-20%); ``reuse`` gains 0.8-1.8 below 10% and is at most 0.33 below; ``s3fifo`` gains more below
+capacities from 1% to 100% of the working set, simulated: ``slru`` gains 1.0-3.3 points over a
+global LRU up to 10% of the working set (1.6 at 5%) and is at most 0.17 points below it (at
+20%); ``reuse`` gains 0.8-1.7 below 10% and is at most 0.33 below; ``s3fifo`` gains more below
 3% but loses up to 4.4 points from 5% on (its small FIFO forgets a conversation before its next
 turn arrives).
 Chain position is not used: ordering by it (deepest first among the oldest) measured no gain.
@@ -86,7 +86,7 @@ class EvictionConfig:
     probation: float = 0.6
     min_probation: float = 0.05
     max_probation: float = 0.95
-    adapt_step: float = 0.0005
+    adapt_step: float = 0.0002
     marginal: float = 0.2
 
     def __post_init__(self) -> None:
