@@ -310,6 +310,23 @@ def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
         s.close()
 
 
+def test_store_slru_skips_a_pinned_victim():
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB))  # slru, the default
+    try:
+        for i in range(4):
+            assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK
+        for i in range(3):
+            assert s.exists(("ns", b"k%d" % i))  # main: k0 k1 k2; probation: k3 (1 of 4)
+        pinned = s.acquire(("ns", b"k0"))  # being read (a reference: main k1 k2 k0)
+        assert s.exists(("ns", b"k1")) and s.exists(("ns", b"k2"))  # main k0 k1 k2, k0 pinned
+        assert s.put(("ns", b"k4"), b"x" * 4 * KB) is Status.OK  # main's head k0 is in use: k1 goes
+        assert [s.exists(("ns", b"k%d" % i)) for i in range(5)] == [True, False, True, True, True]
+        assert bytes(pinned.view) == bytes([0]) * 4 * KB
+        s.release(pinned)
+    finally:
+        s.close()
+
+
 def test_store_writes_only_admitted_victims_to_disk(tmp_path):
     s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
                           eviction=EvictionConfig(EvictionKind.REUSE, protect=0.0, disk=DiskAdmission.REUSED)))
