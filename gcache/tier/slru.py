@@ -15,9 +15,11 @@ follows the marginal value of each list: each list has a ghost list of the keys 
 numbered in eviction order; a key written again among the last ``marginal`` x resident keys a
 list evicted would have been a hit had that list been slightly larger, so the share moves
 ``adapt_step`` toward that list. Both windows have the same size, so the two counts compare
-like for like (unlike ARC, whose ghost lists are as long as its lists); with small caches the
-share settles near one half, with large ones it grows, as a plain LRU's window then catches
-most first reuses.
+like for like (unlike ARC, whose ghost lists are as long as its lists). On the conversation
+trace it ends near 0.55 at 5% of the working set and near 0.7 at 20%, where a long probation
+window catches most first reuses. The step is small (0.0002) because each daemon adapts on its
+own: larger steps let the daemons' splits drift apart, and a chain spread over them breaks at
+the daemon with the shortest window.
 
 O(1) per operation: two ordered dicts of keys, two ghost dicts of hashes, each bounded by
 ``ghost_factor`` x the resident keys (at least MIN_GHOST).
