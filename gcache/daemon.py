@@ -40,10 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")
-    p.add_argument("--eviction", default=EvictionKind.REUSE.value, choices=[k.value for k in EvictionKind],
-                   help="eviction policy of untagged RAM entries: reuse (two LRU lists; entries read again age "
-                        "slower and keep a protected share, so a scan cannot flush them), lru, or s3fifo "
-                        "(default %(default)s)")
+    p.add_argument("--eviction", default=EvictionConfig().kind.value, choices=[k.value for k in EvictionKind],
+                   help="eviction policy of untagged RAM entries: slru (new entries pass a probation list, "
+                        "ones read again or rewritten soon after eviction stay in main; scan-resistant), reuse, "
+                        "lru, or s3fifo (default %(default)s)")
     p.add_argument("--no-pretouch", action="store_true",
                    help="do not pre-fault the arena at start-up (faster start, slower first writes)")
     p.add_argument("--ready-file", default=None,

@@ -16,6 +16,7 @@ from gcache.tier.eviction import (
     S3FifoPolicy,
     make_policy,
 )
+from gcache.tier.slru import SeqGhost, SlruPolicy
 from gcache.tier.store import Store, StoreConfig
 from tests.conftest import read
 
@@ -125,13 +126,85 @@ def test_s3fifo_small_fifo_main_and_ghost():
     assert evict(p, 2) == ["b", "a"]
 
 
+# -- slru -------------------------------------------------------------------------------------------
+def slru(**kw):
+    p = make_policy(EvictionConfig(EvictionKind.SLRU, **kw), 100)
+    assert isinstance(p, SlruPolicy)
+    return p
+
+
+def test_slru_probation_goes_first_while_over_its_share():
+    p = slru(probation=0.5, adapt_step=0.0)
+    fill(p, "abcdef")
+    p.hit("b")  # b and d move to main
+    p.hit("d")
+    assert p.reused("b") and not p.reused("a")
+    # 4 of 6 in probation > 50%: a, c; then 2 of 4 is not over: main's head b; then e (2 of 3)
+    assert evict(p, 3) == ["a", "c", "b"]
+    p.hit("e")  # probation: f alone (1 of 3): main's LRU head goes next
+    assert evict(p, 4) == ["d", "e", "f"]
+
+
+def test_slru_ghost_hit_enters_main_and_moves_the_share():
+    p = slru(probation=0.5, adapt_step=0.1, marginal=1.0)
+    fill(p, "abcd")
+    assert evict(p, 1) == ["a"]  # probation evicts into its ghost
+    p.insert("a", 1)  # written again soon after: main, and probation's share grows
+    assert p.reused("a") and p.share == pytest.approx(0.6)
+    p.hit("b")
+    fill(p, "xy")  # probation c, d, x, y: 4 of 6 > 60%: c; 3 of 5 is not: main's head a; 3 of 4: d
+    assert evict(p, 3) == ["c", "a", "d"]
+    p.insert("a", 1)  # evicted from main and written again: main's share grows
+    assert p.reused("a") and p.share == pytest.approx(0.5)
+
+
+def test_slru_share_moves_only_on_marginal_ghost_hits_and_stays_in_bounds():
+    p = slru(probation=0.5, adapt_step=0.2, marginal=0.5, max_probation=0.8)
+    fill(p, range(4))
+    assert evict(p, 2) == [0, 1]  # 2 resident: the marginal window is the last key evicted
+    p.insert(0, 1)  # evicted before 1: outside the window, share unchanged (still to main)
+    assert p.reused(0) and p.share == pytest.approx(0.5)
+    fill(p, "pq")
+    assert evict(p, 1) == [2]
+    p.insert(2, 1)  # the last key evicted: marginal (window: half of 4 resident)
+    assert p.share == pytest.approx(0.7)
+    p.insert(1, 1)  # evicted one before 2, now inside the window (half of 5 resident): 0.9, clamped
+    assert p.share == pytest.approx(0.8)  # clamped at max_probation
+
+
+def test_slru_promotion_from_disk_and_overwrite():
+    p = slru()
+    p.insert("a", 1, reused=True)  # an NVMe hit promoted to RAM starts in main
+    p.insert("b", 1)
+    p.insert("b", 5)  # an overwrite is a reference: main
+    assert p.reused("a") and p.reused("b") and len(p) == 2
+    assert evict(p, 2) == ["a", "b"]
+
+
+def test_slru_pinned_keys_are_offered_once():
+    p = slru(probation=0.5, adapt_step=0.0)
+    fill(p, "abc")
+    p.hit("c")
+    assert list(p.candidates()) == ["a", "b", "c"]  # all pinned: each once, probation first
+    assert len(p) == 3
+
+
+def test_seq_ghost_ages_and_bound():
+    g = SeqGhost(1.0)
+    for k in range(200):
+        g.add(k, resident=100)
+    assert len(g) == 100
+    assert g.take(199) == 0 and g.take(190) == 9 and g.take(5) is None and g.take(199) is None
+
+
 # -- config and disk admission -----------------------------------------------------------------------
 def test_config_validation_and_parse():
     assert EvictionConfig.parse("s3fifo").kind is EvictionKind.S3FIFO
-    assert EvictionConfig().kind is EvictionKind.REUSE
+    assert EvictionConfig().kind is EvictionKind.SLRU
     with pytest.raises(ConfigError, match="choose one of"):
         EvictionConfig.parse("arc")
-    for bad in ({"reused_weight": 0}, {"protect": 1.0}, {"small_fraction": 0}, {"ghost_factor": -1}):
+    for bad in ({"reused_weight": 0}, {"protect": 1.0}, {"small_fraction": 0}, {"ghost_factor": -1},
+                {"probation": 0.99}, {"min_probation": 0.0}, {"adapt_step": 1.0}, {"marginal": 0.0}):
         with pytest.raises(ConfigError):
             EvictionConfig(**bad)
 
@@ -194,12 +267,13 @@ def test_hot_set_survives_a_scan_ten_times_the_cache():
     assert scan_hits(EvictionKind.LRU) == 0.0
     assert scan_hits(EvictionKind.REUSE) == 1.0
     assert scan_hits(EvictionKind.S3FIFO) == 1.0
+    assert scan_hits(EvictionKind.SLRU) == 1.0
 
 
 # -- through the store --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [EvictionKind.REUSE, EvictionKind.S3FIFO])
+@pytest.mark.parametrize("kind", [EvictionKind.REUSE, EvictionKind.S3FIFO, EvictionKind.SLRU])
 def test_store_keeps_a_hot_set_through_a_scan(kind):
     s = Store(StoreConfig(mem_bytes=64 * 4 * KB, eviction=EvictionConfig(kind)))
     try:
@@ -217,7 +291,8 @@ def test_store_keeps_a_hot_set_through_a_scan(kind):
 
 
 def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
-    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(protect=0.0, reused_weight=0.5)))
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(EvictionKind.REUSE, protect=0.0,
+                                                                         reused_weight=0.5)))
     try:
         for i in range(3):
             assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK
@@ -235,9 +310,26 @@ def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
         s.close()
 
 
+def test_store_slru_skips_a_pinned_victim():
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB))  # slru, the default
+    try:
+        for i in range(4):
+            assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK
+        for i in range(3):
+            assert s.exists(("ns", b"k%d" % i))  # main: k0 k1 k2; probation: k3 (1 of 4)
+        pinned = s.acquire(("ns", b"k0"))  # being read (a reference: main k1 k2 k0)
+        assert s.exists(("ns", b"k1")) and s.exists(("ns", b"k2"))  # main k0 k1 k2, k0 pinned
+        assert s.put(("ns", b"k4"), b"x" * 4 * KB) is Status.OK  # main's head k0 is in use: k1 goes
+        assert [s.exists(("ns", b"k%d" % i)) for i in range(5)] == [True, False, True, True, True]
+        assert bytes(pinned.view) == bytes([0]) * 4 * KB
+        s.release(pinned)
+    finally:
+        s.close()
+
+
 def test_store_writes_only_admitted_victims_to_disk(tmp_path):
     s = Store(StoreConfig(mem_bytes=4 * 4 * KB, disk_dir=str(tmp_path), disk_bytes=1 << 20, segment_bytes=64 * KB,
-                          eviction=EvictionConfig(protect=0.0, disk=DiskAdmission.REUSED)))
+                          eviction=EvictionConfig(EvictionKind.REUSE, protect=0.0, disk=DiskAdmission.REUSED)))
     try:
         for i in range(4):
             s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -120,7 +121,7 @@ class SimStore:
 
     def _make_room(self) -> None:
         while len(self.ram) >= self.ram_slots:
-            victim = next(iter(self.policy.candidates()))
+            victim = cast(int, next(iter(self.policy.candidates())))
             to_disk = self.disk is not None and not self.ram[victim] and self.policy.admit_to_disk(victim)
             self.policy.remove(victim, evicted=True)
             del self.ram[victim]

@@ -42,6 +42,8 @@ class ExtentAllocator:
         i = self._by_size.bisect_left((need, -1))
         if i == len(self._by_size):
             return None
+        length: int
+        start: int
         length, start = self._by_size.pop(i)
         del self._by_start[start]
         del self._by_end[start + length]

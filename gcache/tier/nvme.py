@@ -35,6 +35,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -263,7 +264,7 @@ class NvmeTier:
         seg.refs += 1
         return seg, off
 
-    def _write(self, p: Pending, parts: list) -> bool:
+    def _write(self, p: Pending, parts: list[Any]) -> bool:
         seg = p.seg
         too_big = False
         try:
@@ -493,7 +494,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _read_state(directory: str) -> dict | None:
+def _read_state(directory: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(directory, STATE_FILE)) as f:
             boot, _, clean = f.read().strip().partition(" ")

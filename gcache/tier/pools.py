@@ -26,7 +26,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
@@ -91,7 +91,7 @@ class PoolBudgets:
         self._ns: dict[GroupId, int] = {}
         for b in budgets:
             table, k = (self._any, b.pool) if b.namespace is None else (self._ns, (b.namespace, b.pool))
-            if k in table:  # type: ignore[operator]
+            if k in table:
                 raise ConfigError(f"pool budget for {k} given twice")
             table[k] = b.bytes  # type: ignore[index]
         self._check(mem_bytes)
@@ -172,7 +172,7 @@ class PoolGroup:
 MAX_POS = 1 << 40
 
 
-def _int_list(meta: dict, field: str, n: int, lo: int, hi: int) -> list[int] | str | None:
+def _int_list(meta: dict[str, Any], field: str, n: int, lo: int, hi: int) -> list[int] | str | None:
     v = meta.get(field)
     if v is None:
         return None
@@ -181,7 +181,7 @@ def _int_list(meta: dict, field: str, n: int, lo: int, hi: int) -> list[int] | s
     return v
 
 
-def parse_pool_meta(meta: dict, n: int, op: str) -> tuple[str | None, list[int], list[int] | None] | str:
+def parse_pool_meta(meta: dict[str, Any], n: int, op: str) -> tuple[str | None, list[int], list[int] | None] | str:
     """The pool fields of a PUT (or LALLOC) or an EXISTS request with ``n`` keys, or why not.
 
     PUT: ``"pool"`` (optional pool name), ``"pos"`` (chain position per key, default 0),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gcache.tier.allocator import ExtentAllocator
 from gcache.tier.arena import Arena
@@ -39,7 +39,7 @@ class RamEntry:
         self.group: PoolGroup | None = None
         self.pos = 0
         self.tail = 0
-        self.okey: tuple = ()
+        self.okey: tuple[Any, ...] = ()
         self.pool: str | None = None  # pool tag, kept even when ``group`` is None (pool not tracked)
         self.fmt = 0  # the writer's format tag (gcache.tier.valuemeta)
         self.seq = 0  # the store's sequence number of the write that made this value

@@ -132,7 +132,7 @@ class Store:
         self._queue: collections.deque[tuple[Key, RamEntry]] = collections.deque()
         self._queue_bytes = 0
         self._closed = False
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._demoter = None
         if self.nvme is not None:
             self._demoter = threading.Thread(target=self._demote_loop, name="gcache-demoter", daemon=True)

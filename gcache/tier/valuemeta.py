@@ -66,7 +66,7 @@ class ValueMeta:
         return cls(pool, pos, tail, ttl_s, fmt)
 
     # -- on the wire: GET replies that asked for metadata -------------------------------------
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         return [self.pool, self.pos, self.tail, self.ttl_s, self.fmt]
 
     @classmethod
@@ -80,12 +80,14 @@ class ValueMeta:
 NO_META = ValueMeta()
 
 
-def _per_key(meta: dict, field: str, n: int, kind: type, lo: float, hi: float) -> list | str | None:
+def _per_key(meta: dict[str, Any], field: str, n: int, kind: type, lo: float, hi: float) -> list[Any] | str | None:
     """A field given once for the whole request or as one value per key; None when absent."""
     v = meta.get(field)
     if v is None:
         return None
-    ok = (lambda x: (type(x) is int or (kind is float and type(x) is float)) and lo <= x <= hi)
+
+    def ok(x: object) -> bool:
+        return (type(x) is int or (kind is float and type(x) is float)) and lo <= x <= hi
     if isinstance(v, list):
         if len(v) != n or not all(ok(x) for x in v):
             return f"'{field}' must be one number in [{lo}, {hi}] per key, or one for all"
@@ -95,7 +97,7 @@ def _per_key(meta: dict, field: str, n: int, kind: type, lo: float, hi: float) -
     return [v] * n
 
 
-def parse_value_meta(meta: dict, n: int, op: str) -> list[ValueMeta] | str:
+def parse_value_meta(meta: dict[str, Any], n: int, op: str) -> list[ValueMeta] | str:
     """The value-metadata records of a PUT (or LALLOC) of ``n`` keys, or why the request is bad.
 
     Fields: ``pool``, ``pos``, ``tail`` (gcache.tier.pools.parse_pool_meta), ``ttl`` (seconds,
