@@ -14,8 +14,8 @@ from gcache.tier.eviction import (
     LruPolicy,
     ReusePolicy,
     S3FifoPolicy,
-    make_policy,
 )
+from gcache.tier.policies import make_policy
 from gcache.tier.slru import SeqGhost, SlruPolicy
 from gcache.tier.store import Store, StoreConfig
 from tests.conftest import read

@@ -30,7 +30,8 @@ import numpy as np
 
 from gcache.bench.trace import BLOCK_TOKENS, HitAccounting, TraceRequest, leading_hits
 from gcache.meta.ring import HashRing, key_hash
-from gcache.tier.eviction import EvictionConfig, EvictionKind, make_policy
+from gcache.tier.eviction import EvictionConfig, EvictionKind
+from gcache.tier.policies import make_policy
 
 
 @dataclass(frozen=True)

@@ -392,12 +392,3 @@ class S3FifoPolicy(EvictionPolicy):
             yield key
             if key in queue:  # in use
                 queue.move_to_end(key)
-
-
-def make_policy(config: EvictionConfig, capacity: int) -> EvictionPolicy:
-    """The policy ``config.kind`` for ``capacity`` bytes."""
-    from gcache.tier.slru import SlruPolicy  # its own module (it builds on this one)
-
-    policies: dict[EvictionKind, type[EvictionPolicy]] = {
-        p.kind: p for p in (LruPolicy, ReusePolicy, S3FifoPolicy, SlruPolicy)}
-    return policies[config.kind](config, capacity)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from gcache.tier.allocator import ExtentAllocator
 from gcache.tier.arena import Arena
-from gcache.tier.eviction import EvictionConfig, make_policy
+from gcache.tier.eviction import EvictionConfig
+from gcache.tier.policies import make_policy
 
 if TYPE_CHECKING:
     from gcache.tier.pools import PoolGroup
