@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-SYSTEMS = ("gcache", "redis", "mooncake", "memcpy", "socket")
+SYSTEMS = ("gcache", "redis", "mooncake", "memcpy", "socket", "ucx-raw")
 THROUGHPUT_FIELDS = ("system", "transport", "op", "value_bytes", "batch", "threads", "gbps", "ops_per_s",
                      "p50_ms", "p99_ms", "p999_ms", "ceiling_gbps", "ratio", "ratios")
 HITRATE_FIELDS = ("capacity_bytes", "disk_bytes", "nodes", "page_bytes", "requests", "hit_rate",

@@ -35,6 +35,9 @@ def test_throughput_quick_with_peers(tmp_path):
     ucx = [r for r in doc["records"] if r["system"] == "gcache" and r["transport"] == "ucx"]
     assert ucx or "skipping gcache over ucx:" in out  # measured where ucxx is installed, else why not
     assert all(r["gbps"] > 0 for r in ucx)
+    raw = {(r["op"], r["value_bytes"]): r["gbps"] for r in doc["records"] if r["system"] == "ucx-raw"}
+    for r in ucx:  # gcache over UCX is divided by the raw UCX ceiling of the same run
+        assert r["ceiling_gbps"] == raw[(r["op"], r["value_bytes"])]
     for r in local:
         assert r["gbps"] > 0 and r["ceiling_gbps"] == next(
             m["gbps"] for m in doc["records"] if m["system"] == "memcpy" and m["op"] == r["op"]
@@ -45,7 +48,7 @@ def test_throughput_quick_with_peers(tmp_path):
     for r in g:
         assert r["gbps"] > 0 and r["p999_ms"] >= r["p99_ms"] >= r["p50_ms"] > 0
         assert r["ratio"] == round(r["gbps"] / r["ceiling_gbps"], 4)
-        assert set(r["ratios"]) == systems - {"gcache", "socket", "memcpy"} | (
+        assert set(r["ratios"]) == systems - {"gcache", "socket", "memcpy", "ucx-raw"} | (
             {"gcache/local"} if local else set()) | ({"gcache/ucx"} if ucx else set())
     assert (tmp_path / "throughput.md").read_text().startswith("| system |")
     for png in ("throughput_gbps.png", "latency_cdf.png"):
