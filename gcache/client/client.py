@@ -72,7 +72,7 @@ class Client:
         try:
             cfg = replace(config or ClientConfig(), **settings)
         except TypeError as exc:  # an unknown setting
-            raise ConfigError(f"Client: {exc}") from None
+            raise TypeError(f"Client: {exc} (the settings are ClientConfig's fields)") from None
         if cfg.token is None:
             cfg = replace(cfg, token=load_token(None))
         self.config = cfg

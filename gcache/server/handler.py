@@ -272,7 +272,10 @@ class Handler:
         log_ = self.agent.touchlog if self.agent is not None else None
         handover = log_ is not None and bool(meta.get("ho"))  # a previous owner's pushed copies
         status: list[int] = []
-        chunk: list[tuple[int, Reservation]] = []  # reserved, not received yet
+        # Reserved, not received yet: at most a small share of the arena, so a large batch still
+        # makes room by evicting its own earlier (committed) values, as one key at a time would.
+        chunk_limit = min(PUT_CHUNK_BYTES, self.store.arena.size // 16)
+        chunk: list[tuple[int, Reservation]] = []
         chunk_bytes = 0
         try:
             for i, (key, size) in enumerate(zip(keys, sizes)):
@@ -289,7 +292,7 @@ class Handler:
                 chunk.append((i, res))
                 chunk_bytes += size
                 status.append(OK)
-                if chunk_bytes >= PUT_CHUNK_BYTES:
+                if chunk_bytes >= chunk_limit:
                     self._land(ns, keys, vmeta, chunk, handover)
                     chunk, chunk_bytes = [], 0
             self._land(ns, keys, vmeta, chunk, handover)

@@ -45,8 +45,9 @@ class MemoryDaemon:
 
 
 @contextmanager
-def memory_cluster(n: int, token: str | None = None, tag: str = "m") -> Iterator[list[MemoryDaemon]]:
-    daemons = [MemoryDaemon(f"{tag}-{i}:1", token) for i in range(n)]
+def memory_cluster(n: int, token: str | None = None, tag: str = "m",
+                   mem_bytes: int = 16 << 20) -> Iterator[list[MemoryDaemon]]:
+    daemons = [MemoryDaemon(f"{tag}-{i}:1", token, mem_bytes) for i in range(n)]
     try:
         yield daemons
     finally:

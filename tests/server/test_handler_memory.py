@@ -133,3 +133,12 @@ def test_open_connection_refuses_a_wrong_token_with_a_typed_error():
         conn = open_connection("n", d.address, 2.0, "t0k", Transport.MEMORY)
         assert conn.call(Op.PING, {}, time.monotonic() + 5)["node"] == d.address
         conn.close()
+
+
+def test_a_batch_larger_than_the_arena_stores_every_value_in_turn():
+    """A PUT whose values together exceed the arena makes room from its own earlier values, as
+    one key at a time would: every key is stored, the last ones survive."""
+    values = [bytes([i]) * 100_000 for i in range(16)]  # 1.6 MB into a 1 MiB arena
+    with memory_cluster(1, token="t0k", tag="big", mem_bytes=1 << 20) as (d,), Client([d.address], MEM) as c:
+        assert c.put([f"k{i}" for i in range(16)], values) == [Status.OK] * 16
+        assert c.get(["k15", "k14"]) == [values[15], values[14]]
