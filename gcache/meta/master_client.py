@@ -1,10 +1,11 @@
 """Client of the master group, used by daemons (register, heartbeat, handover) and clients
-(membership). Tries the masters in turn; a wrong token fails at once with a clear error."""
+(membership). Starts at a random master (so a fleet spreads over the group) and tries the others
+in turn; a wrong token fails at once with a clear error."""
 
 from __future__ import annotations
 
+import random
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,6 +21,23 @@ class MasterUnavailable(GCacheError):
 
 class AuthFailed(GCacheError):
     """The master refused the cluster token."""
+
+
+class Backoff:
+    """Exponential backoff with full jitter: the n-th wait is uniform in [0, min(cap, base * 2**n)],
+    so clients that lost the same master do not come back in lockstep."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0) -> None:
+        self.base_s, self.cap_s = base_s, cap_s
+        self.failures = 0
+
+    def next(self) -> float:
+        wait = random.uniform(0, min(self.cap_s, self.base_s * (2 ** self.failures)))
+        self.failures = min(self.failures + 1, 30)
+        return wait
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 def parse_masters(spec: str | list[str]) -> list[str]:
@@ -39,7 +57,7 @@ class MasterClient:
         self.token = token
         self.timeout_s = timeout_s
         self._channels = {a: grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in self.addresses}
-        self._preferred = 0
+        self._preferred = random.randrange(len(self.addresses))
         self._lock = threading.Lock()
 
     def _md(self) -> tuple[tuple[str, str], ...]:
@@ -85,9 +103,14 @@ class MasterClient:
                     raise AuthFailed(f"a master refused the cluster token: {exc.details()}") from None
         return out
 
-    def watch(self, address: str) -> Iterator[dict[str, Any]]:
-        """Memberships streamed by one master (raises grpc.RpcError when it goes away)."""
+    def watch(self, address: str) -> Any:
+        """Memberships streamed by one master: an iterator of dicts that raises grpc.RpcError
+        when the master goes away, and a grpc call (``cancel()``)."""
         return self._method(address, "WatchMembership", streaming=True)({}, metadata=self._md())
+
+    def shuffled(self) -> list[str]:
+        """The masters in a random order (each watcher starts somewhere else)."""
+        return random.sample(self.addresses, len(self.addresses))
 
     def membership(self) -> dict[str, Any]:
         return self.call("GetMembership", {})
