@@ -3,7 +3,8 @@
 The rest of gcache sees ``propose(command) -> result``, ``is_leader`` and ``leader``; commands
 and snapshots are versioned msgpack (the state machine's own format). pysyncobj's wire format is
 zlib(pickle), so the group always runs with a password (the cluster token: it encrypts and
-authenticates every Raft message) and an explicit loopback/host bind address.
+authenticates every Raft message) and an explicit bind address (never a wildcard), and reads
+from a peer that has not authenticated yet are bounded (gcache.meta.raft_guard).
 
 Timeouts follow FACTS.md: 150-300 ms elections, 30 ms append period and a 0.5 s reconnect,
 which gives sub-second leader failover; appendEntries batching is off for ~1 ms commits.
@@ -19,6 +20,8 @@ from typing import Any, Protocol
 import msgpack
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
+
+from gcache.meta import raft_guard
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,10 @@ class RaftGroup:
                  election_timeout_s: tuple[float, float] = (0.15, 0.3)) -> None:
         if not password:
             raise ValueError("a Raft group needs a password (the cluster token): pysyncobj unpickles its peers' messages")
+        host = self_addr.rpartition(":")[0].strip("[]")
+        if host in ("", "0.0.0.0", "::", "*"):
+            raise ValueError(f"Raft address {self_addr!r}: bind an explicit address, not a wildcard")
+        raft_guard.install()
         conf = SyncObjConf(
             password=password,
             bindAddress=self_addr,

@@ -1,0 +1,111 @@
+"""A bounded read for pysyncobj connections whose peer has not authenticated yet.
+
+pysyncobj reads a connection until the socket is drained, appending to one bytes buffer, and
+parses messages only afterwards; a message's 4-byte length is trusted. So anyone who can reach a
+Raft port can make a master buffer as much as they send (104 MiB of zeros raised a master's RSS
+by 129 MB) before the first message is even checked.
+
+``GuardedConnection`` changes only the reads of a connection not yet trusted: it buffers at most
+``PREAUTH_MAX`` bytes, and closes the connection when the first declared length is larger. A
+connection becomes trusted once a message has been decrypted (Fernet: authenticated with the
+cluster token) *and* carried the random key this side chose for the connection, so a replayed
+first message does not earn trust. After that, pysyncobj behaves exactly as before.
+
+pysyncobj 0.3.17 creates its connections from module-level ``TcpConnection`` names in
+``pysyncobj.tcp_server`` and ``pysyncobj.transport``; ``install()`` points both at this class.
+The overridden methods are name-mangled privates of that version, checked at install time, so an
+upgrade that renames them fails loudly instead of silently dropping the guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import Any
+
+import pysyncobj.tcp_server
+import pysyncobj.transport
+from pysyncobj.tcp_connection import TcpConnection
+
+log = logging.getLogger(__name__)
+
+PREAUTH_MAX = 64 << 10  # a handshake message is ~150 bytes
+MAX_UNTRUSTED = 32  # incoming connections still authenticating, at most (so at most 2 MiB buffered)
+_HEADER = struct.Struct("i")  # pysyncobj's length prefix (native int, as it packs it)
+_PRIVATE = ("_TcpConnection__processRead", "_TcpConnection__processParseMessage", "_TcpConnection__readBuffer",
+            "_TcpConnection__recvBufferSize")
+
+
+class GuardedConnection(TcpConnection):
+    """See the module docstring. At most MAX_UNTRUSTED accepted connections may be authenticating
+    at once; a new one evicts the oldest (a peer's handshake takes one round trip, so churning
+    connections cannot keep a real peer out, and idle ones cannot pile up)."""
+
+    trusted = False
+    # accepted connections still authenticating, oldest first; class-wide: pysyncobj runs every
+    # connection on its one thread
+    pending: dict[int, GuardedConnection] = {}  # noqa: RUF012 - deliberately shared
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if kwargs.get("socket") is not None:  # accepted by the Raft port
+            pending = GuardedConnection.pending
+            while len(pending) >= MAX_UNTRUSTED:
+                oldest = next(iter(pending.values()))
+                log.warning("Raft port: %d connections still authenticating; closing the oldest", len(pending))
+                oldest.disconnect()
+                pending.pop(id(oldest), None)
+            pending[id(self)] = self
+
+    def _settle(self) -> None:
+        GuardedConnection.pending.pop(id(self), None)
+
+    def _TcpConnection__processRead(self) -> bool:
+        if self.trusted:
+            return TcpConnection._TcpConnection__processRead(self)
+        room = PREAUTH_MAX - len(self._TcpConnection__readBuffer)
+        if room <= 0:
+            return False  # parse what is buffered first (it holds a complete message: see below)
+        size = self._TcpConnection__recvBufferSize
+        self._TcpConnection__recvBufferSize = min(size, room)
+        try:
+            return TcpConnection._TcpConnection__processRead(self)
+        finally:
+            self._TcpConnection__recvBufferSize = size
+
+    def _TcpConnection__processParseMessage(self) -> Any:  # pysyncobj message (unpickled)
+        if not self.trusted:
+            buf = self._TcpConnection__readBuffer
+            if len(buf) >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(buf)
+                if not 0 < length <= PREAUTH_MAX - _HEADER.size:
+                    log.warning("Raft port: an unauthenticated peer announced a %d-byte message; closing", length)
+                    self.disconnect()
+                    return None
+        had_key = self.recvRandKey is not None
+        message = TcpConnection._TcpConnection__processParseMessage(self)
+        if message is not None and had_key and self.encryptor is not None:
+            self.trusted = True
+            self._settle()
+        return message
+
+    def connect(self, host: str, port: int) -> bool:
+        self.trusted = False
+        return super().connect(host, port)
+
+    def disconnect(self) -> None:
+        self.trusted = False
+        self._settle()
+        super().disconnect()
+
+
+def install() -> None:
+    """Make pysyncobj create GuardedConnection for incoming and outgoing connections."""
+    missing = [name for name in _PRIVATE[:2] if not hasattr(TcpConnection, name)]
+    probe = TcpConnection(poller=None)
+    missing += [name for name in _PRIVATE[2:] if not hasattr(probe, name)]
+    if missing:
+        raise RuntimeError(f"pysyncobj's TcpConnection changed (no {', '.join(missing)}): the Raft port guard "
+                           "needs updating for this pysyncobj version")
+    pysyncobj.tcp_server.TcpConnection = GuardedConnection
+    pysyncobj.transport.TcpConnection = GuardedConnection

@@ -1,0 +1,109 @@
+"""The Raft port (pysyncobj) buffers at most a small, fixed amount from a peer that has not
+authenticated: before, 104 MiB of zeros streamed to it raised a master's RSS by ~129 MB."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+
+from gcache.cluster import LocalCluster
+from gcache.meta.master_client import MasterClient
+
+MiB = 1 << 20
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM: the process's peak resident set, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def stream(address: str, head: bytes, total: int) -> int:
+    """Send ``head`` then zeros up to ``total`` bytes; returns how many were accepted before the
+    other side closed the connection."""
+    host, _, port = address.rpartition(":")
+    sent = 0
+    chunk = bytes(MiB)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        try:
+            s.sendall(head)
+            sent = len(head)
+            while sent < total:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
+    return sent
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    c = LocalCluster(nodes=0, masters=1, root=str(tmp_path_factory.mktemp("raftguard")))
+    c.start()
+    yield c
+    c.stop()
+
+
+def raft_address(c: LocalCluster) -> str:
+    args = c.master_procs[0].args
+    return args[args.index("--raft") + 1]
+
+
+def still_serves(c: LocalCluster) -> bool:
+    mc = MasterClient(c.master_url, c.token, timeout_s=5.0)
+    try:
+        st = mc.call("Status", {})["master"]
+        return bool(st["is_leader"])
+    finally:
+        mc.close()
+
+
+@pytest.mark.parametrize("head", [b"", struct.pack("i", 0x7FFFFFFF)], ids=["zeros", "huge-length"])
+def test_unauthenticated_stream_is_not_buffered(master, head):
+    pid = master.master_procs[0].pid
+    time.sleep(0.5)  # let start-up allocations settle before taking the baseline
+    before = peak_rss(pid)
+    stream(raft_address(master), head, 104 * MiB)
+    time.sleep(0.5)  # whatever it buffered, it has read by now
+    grew = peak_rss(pid) - before
+    assert grew < 16 * MiB, f"peak RSS grew by {grew / MiB:.0f} MiB"
+    assert still_serves(master)
+
+
+def test_unauthenticated_connections_cannot_pile_up(master):
+    """Each connection still authenticating may hold up to 64 KiB; at most 32 of them are kept
+    (a new one closes the oldest), so idle half-handshakes cannot add up."""
+    host, _, port = raft_address(master).rpartition(":")
+    socks = []
+    try:
+        for _ in range(60):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(struct.pack("i", 60_000) + bytes(1000))  # a plausible length, then silence
+            socks.append(s)
+
+        def open_count() -> int:
+            n = 0
+            for s in socks:
+                s.settimeout(0.01)
+                try:
+                    n += s.recv(1) != b""
+                except TimeoutError:
+                    n += 1  # still open, waiting
+                except OSError:
+                    pass
+            return n
+
+        deadline = time.monotonic() + 10  # the last few may still sit in the accept backlog
+        while open_count() > 32 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_count() <= 32
+        assert still_serves(master)
+    finally:
+        for s in socks:
+            s.close()
