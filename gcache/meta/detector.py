@@ -41,10 +41,13 @@ class FailureDetector:
         self._lock = threading.Lock()  # heartbeats may arrive on other threads than the detector's
 
     def heard(self, node: str, inc: int) -> None:
-        """A heartbeat (or registration) of ``node`` incarnation ``inc`` arrived now."""
+        """A heartbeat (or registration) of ``node`` incarnation ``inc`` arrived now (one from an
+        older incarnation than the newest heard is ignored)."""
         now = self.clock()
         with self._lock:
-            self._seen[node] = (inc, now)
+            seen = self._seen.get(node)
+            if seen is None or inc >= seen[0]:
+                self._seen[node] = (inc, now)
 
     def leadership(self, is_leader: bool) -> bool:
         """Tell the detector whether this master leads; True when it has just become leader."""
