@@ -1,23 +1,18 @@
 """The membership as a master serves it: encoded once per epoch, shared by every watcher.
 
-``MembershipFeed`` lives on the master's event loop. Raft applies commands on its own thread and
-calls ``changed()`` (thread-safe); the feed then re-reads the table, and if the epoch moved,
-encodes the membership once and wakes the watchers. Waking thousands of streams at once would
-hold the loop (and grpc's completion queue) for the whole fan-out, so heartbeats and new
-clients would queue behind it: the watchers are woken in slices with a short pause between
-them, which keeps every other RPC's wait to about one slice.
+``MembershipFeed`` lives on the master's event loop. The core process (gcache.meta.core) sends
+the encoded membership whenever the epoch moves; ``offer`` takes it and wakes the watchers.
+Waking thousands of streams at once would hold the loop (and grpc's completion queue) for the
+whole fan-out, so other RPCs (new clients, registrations) would queue behind it: the watchers are
+woken in slices with a short pause between them, which keeps every other RPC's wait to about one
+slice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from gcache.meta import rpc
 
 log = logging.getLogger(__name__)
 
@@ -37,49 +32,25 @@ class FanOut:
 
 
 class MembershipFeed:
-    def __init__(self, read: Callable[[], dict[str, Any]], fan_out: FanOut = FanOut()) -> None:
-        """``read``: returns the table's current membership (takes the table's lock)."""
-        self._read = read
+    def __init__(self, fan_out: FanOut = FanOut()) -> None:
         self.fan_out = fan_out
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending = threading.Event()  # a refresh is scheduled
         self._waiters: list[asyncio.Future] = []
         self._epoch_waiters: list[tuple[int, asyncio.Future]] = []
-        self.current = self._encode(read())
-        self.published = 0  # epochs published (for metrics)
+        self.current = Snapshot(-1, b"")
+        self.published = 0  # epochs published (for status)
         self.watchers = 0
 
-    @staticmethod
-    def _encode(m: dict[str, Any]) -> Snapshot:
-        return Snapshot(int(m["epoch"]), rpc.pack(m))
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    # -- producer side ------------------------------------------------------------------------
-    def changed(self) -> None:
-        """The table changed (any thread). Coalesces bursts into one refresh."""
-        loop = self._loop
-        if loop is None or self._pending.is_set():
+    def offer(self, epoch: int, encoded: bytes) -> None:
+        """A membership from the core (on the loop); a new epoch wakes the watchers."""
+        if epoch == self.current.epoch:
             return
-        self._pending.set()
-        try:
-            loop.call_soon_threadsafe(self._refresh)
-        except RuntimeError:  # the loop is closed: the master is stopping
-            pass
-
-    def _refresh(self) -> None:
-        self._pending.clear()
-        m = self._read()
-        if int(m["epoch"]) == self.current.epoch:
-            return
-        self.current = self._encode(m)
+        self.current = Snapshot(epoch, encoded)
         self.published += 1
         waiters, self._waiters = self._waiters, []
         asyncio.get_running_loop().create_task(self._wake(waiters))
         still = []
         for at_least, fut in self._epoch_waiters:
-            if self.current.epoch >= at_least:
+            if epoch >= at_least:
                 if not fut.done():
                     fut.set_result(None)
             else:
@@ -108,7 +79,6 @@ class MembershipFeed:
         """The membership once this master has applied ``epoch`` (a follower applies a committed
         command shortly after the leader); the current one after ``timeout_s`` regardless."""
         if self.current.epoch < epoch:
-            self.changed()  # the apply may have happened before this call: look again
             fut = asyncio.get_running_loop().create_future()
             self._epoch_waiters.append((epoch, fut))
             try:

@@ -5,23 +5,26 @@ Any master answers reads; writes are Raft proposals, which pysyncobj forwards to
 Daemons heartbeat every master; only the leader's failure detector turns silence into
 SUSPECT / DOWN (a new leader first gives every node a full grace period).
 
-The gRPC service runs on one asyncio event loop (grpc.aio): a watch stream is a coroutine
-parked on the membership feed, not a thread, so one master holds thousands of them; the
-membership is encoded once per epoch and the same bytes go to every watcher (gcache.meta.feed).
-Heartbeats are answered on the loop from memory. Raft (pysyncobj) runs on its own thread;
-proposals complete through its callbacks, so no thread waits on a commit.
+A master is two processes. This one, the front, serves gRPC on one asyncio event loop
+(grpc.aio): a watch stream is a coroutine parked on the membership feed, not a thread, so one
+master holds thousands of them, and the membership is encoded once per epoch and the same bytes
+go to every watcher (gcache.meta.feed). The core (gcache.meta.core), a child process, runs Raft,
+the node table, the failure detector and the UDP heartbeat listener, so that no fan-out or
+reconnect storm here can delay Raft's timers or a heartbeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import itertools
 import logging
+import multiprocessing as mp
 import resource
 import signal
 import sys
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +32,15 @@ import grpc
 
 from gcache.errors import ConfigError
 from gcache.meta import rpc
-from gcache.meta.detector import FailureDetector
+from gcache.meta.core import core_main
 from gcache.meta.feed import FanOut, MembershipFeed
-from gcache.meta.nodetable import COMMAND_VERSION, NodeTable
-from gcache.meta.raft import ProposalFailed, RaftGroup
 from gcache.process import write_ready
 
 log = logging.getLogger("gcache.master")
+
+
+class CoreGone(Exception):
+    """The core process exited: this master cannot serve."""
 
 
 @dataclass(frozen=True)
@@ -60,53 +65,23 @@ class MasterConfig:
             raise ConfigError("--peers must list 1, 3 or 5 Raft addresses, this master's --raft among them")
 
 
-class _Guarded:
-    """The node table behind a lock: Raft applies under it (on its thread), then tells the feed."""
-
-    def __init__(self, table: NodeTable, lock: threading.Lock, changed: Callable[[], None]) -> None:
-        self.table, self.lock, self.changed = table, lock, changed
-
-    def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        try:
-            with self.lock:
-                return self.table.apply(cmd)
-        finally:
-            self.changed()
-
-    def snapshot(self) -> bytes:
-        with self.lock:
-            return self.table.snapshot()
-
-    def restore(self, blob: bytes) -> None:
-        with self.lock:
-            self.table.restore(blob)
-        self.changed()
-
-
 class Master:
     """Build it, then ``await start()`` on the loop that will serve it."""
 
-    def __init__(self, config: MasterConfig) -> None:
-        self.config = config
-        self.table = NodeTable()
-        self.lock = threading.Lock()
-        self.feed = MembershipFeed(self._read_membership, config.fan_out)
-        self.detector = FailureDetector(config.suspect_after_s, config.down_after_s)
-        self.raft = RaftGroup(config.raft, list(config.peers), config.token,
-                              _Guarded(self.table, self.lock, self.feed.changed))
+    def __init__(self, config: MasterConfig, name: str = "master", log_level: str = "INFO") -> None:
+        self.config, self.name, self.log_level = config, name, log_level
+        self.feed = MembershipFeed(config.fan_out)
         self.server: grpc.aio.Server | None = None
         self.address = ""
-        self._detector_task: asyncio.Task | None = None
-        self._in_flight: set[tuple[str, int]] = set()
-
-    def _read_membership(self) -> dict[str, Any]:
-        with self.lock:
-            return self.table.membership()
+        self.core_pid = -1
+        self.gone = asyncio.Event()  # the core exited
+        self._conn: Any = None
+        self._proc: Any = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
 
     async def start(self) -> Master:
         loop = asyncio.get_running_loop()
-        self.feed.bind(loop)
-        self.feed.changed()  # Raft may have applied its journal before the loop was bound
         self.server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
         tok = self.config.token
         handlers = {
@@ -127,49 +102,102 @@ class Master:
         if bound == 0:
             raise ConfigError(f"cannot listen on {self.config.listen}")
         self.address = f"{host}:{bound}"
+        # the core: Raft, the table, heartbeats on UDP at the same port number
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=core_main, name=f"gcache-master-core[{self.name}]",
+                                 args=(child, self.config, (host, bound), self.log_level, self.name))
+        self._proc.start()
+        child.close()
+        self.core_pid = self._proc.pid
+        first = await loop.run_in_executor(None, self._first_message)
+        if first[0] != "ready":
+            raise ConfigError(f"the master's core did not start: {first[1]}")
+        loop.add_reader(self._conn.fileno(), self._on_link)
+        await asyncio.wait_for(self.feed.at_least(0, timeout_s=30.0), 31.0)
         await self.server.start()
-        self._detector_task = loop.create_task(self._detect_loop())
         return self
 
+    def _first_message(self) -> tuple:
+        if not self._conn.poll(60):
+            return ("failed", "no answer within 60 s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            return ("failed", f"it exited with {self._proc.exitcode} (see the log above)")
+
+    def _on_link(self) -> None:
+        try:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "membership":
+                    self.feed.offer(msg[1], msg[2])
+                elif msg[0] == "reply":
+                    fut = self._waiting.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((msg[2], msg[3]))
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self._conn.fileno())
+            log.critical("the master's core process exited; stopping")
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(CoreGone())
+            self.gone.set()
+
+    async def _ask(self, op: str, *args: Any, timeout_s: float = 10.0) -> tuple[bool, Any]:
+        if self.gone.is_set():
+            raise CoreGone()
+        req_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[req_id] = fut
+        self._conn.send((op, req_id, *args))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._waiting.pop(req_id, None)
+
     async def stop(self) -> None:
-        if self._detector_task is not None:
-            self._detector_task.cancel()
         if self.server is not None:
             await self.server.stop(grace=0.5)
-        self.raft.close()
+        if self._conn is not None and not self.gone.is_set():
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+        if self._proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.kill()
 
     # -- RPCs -------------------------------------------------------------------------------
-    async def _propose(self, cmd: dict[str, Any], context: Any) -> dict[str, Any]:
+    async def _propose(self, cmd: dict[str, Any], context: Any, timeout_s: float = 3.0) -> dict[str, Any]:
         try:
-            return await self.raft.propose_async({"v": COMMAND_VERSION, **cmd}, timeout_s=3.0)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ProposalFailed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no Raft leader: {exc}")
+            ok, value = await self._ask("propose", cmd, timeout_s, timeout_s=timeout_s + 2.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
+        if ok:
+            return value
+        kind, message = value
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION if kind == "refused"
+                            else grpc.StatusCode.UNAVAILABLE, message)
         raise AssertionError("unreachable")
 
     async def register(self, req: dict, context: Any) -> dict:
         node = str(req["node"])
         out = await self._propose({"op": "register", "node": node, "address": str(req["address"]),
                                    "capacity": int(req["capacity"])}, context)
-        self.detector.heard(node, int(out["inc"]))
         log.info("registered %s at %s (incarnation %d, epoch %d)", node, req["address"], out["inc"], out["epoch"])
         snap = await self.feed.at_least(int(out["epoch"]), timeout_s=2.0)
         return {**out, "membership": rpc.unpack(snap.encoded)}
 
     async def heartbeat(self, req: dict, context: Any) -> dict:
-        node, inc = str(req["node"]), int(req["inc"])
-        with self.lock:
-            rec = self.table.nodes.get(node)
-            epoch = self.table.epoch
-            t = self.table.transition
-            pending = t is not None and node in t["pending"]
-            state, rec_inc = (rec["state"], rec["inc"]) if rec is not None else (None, None)
-        if rec is None or rec_inc != inc or state == "down":
-            why = "unknown node" if rec is None else ("stale incarnation" if rec_inc != inc else "declared down")
-            return {"ok": False, "reason": why, "epoch": epoch}
-        self.detector.heard(node, inc)
-        return {"ok": True, "epoch": epoch, "state": state, "handover_pending": pending}
+        """The RPC path (daemons use UDP, gcache.meta.beat); answered by the core."""
+        req = {"node": str(req["node"]), "inc": int(req["inc"])}
+        try:
+            _ok, value = await self._ask("heartbeat", req, timeout_s=2.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
+        return value
 
     async def get_membership(self, req: dict, context: Any) -> bytes:
         return self.feed.current.encoded
@@ -196,33 +224,14 @@ class Master:
                                    context)
 
     async def status(self, req: dict, context: Any) -> dict:
-        return {"master": {"grpc": self.address, **self.raft.status(), "watchers": self.feed.watchers,
-                           "epochs_published": self.feed.published},
-                "membership": self._read_membership(), "heartbeat_age_s": self.detector.ages()}
-
-    # -- failure detection (leader only) ----------------------------------------------------
-    async def _detect_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(0.1)
-            if self.detector.leadership(self.raft.is_leader):
-                log.info("became Raft leader; failure detection starts with a full grace period")
-            with self.lock:
-                rows = [(n, r["inc"], r["state"]) for n, r in self.table.nodes.items()]
-            for v in self.detector.verdicts(rows):
-                if (v.node, v.inc) not in self._in_flight:
-                    self._in_flight.add((v.node, v.inc))
-                    loop.create_task(self._set_state(v.node, v.inc, v.state, v.silent_s))
-
-    async def _set_state(self, node: str, inc: int, state: str, silent_s: float) -> None:
         try:
-            await self.raft.propose_async({"v": COMMAND_VERSION, "op": "set_state", "node": node, "inc": inc,
-                                           "state": state}, timeout_s=1.0)
-            log.warning("node %s is %s (no heartbeat for %.1fs)", node, state.upper(), silent_s)
-        except (ValueError, ProposalFailed) as exc:
-            log.warning("could not mark %s %s: %s", node, state, exc)
-        finally:
-            self._in_flight.discard((node, inc))
+            _ok, core = await self._ask("status", timeout_s=5.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master's core does not answer")
+        return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
+                           "epochs_published": self.feed.published, "udp_heartbeats": core["udp_heartbeats"],
+                           "core_pid": self.core_pid},
+                "membership": core["membership"], "heartbeat_age_s": core["heartbeat_age_s"]}
 
 
 def raise_fd_limit() -> None:
@@ -257,22 +266,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"gcache master: {exc}", file=sys.stderr)
         return 2
     raise_fd_limit()
-    return asyncio.run(_serve(config, args.ready_file))
+    return asyncio.run(_serve(config, args.ready_file, args.id or args.raft, args.log_level))
 
 
-async def _serve(config: MasterConfig, ready_file: str | None) -> int:
+async def _serve(config: MasterConfig, ready_file: str | None, name: str, log_level: str) -> int:
+    master = Master(config, name, log_level)
     try:
-        master = await Master(config).start()
+        await master.start()
     except (ConfigError, OSError) as exc:
         print(f"gcache master: {exc}", file=sys.stderr)
+        await master.stop()
         return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.create_task(_relay(master.gone, stop))
+    # Objects from start-up are never garbage; new ones are collected in larger, rarer young
+    # generations (short pauses for the streams).
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     print(f"gcache master listening on {master.address} raft={config.raft}", flush=True)
     if ready_file:
         write_ready(ready_file, master.address)
     await stop.wait()
     await master.stop()
-    return 0
+    return 1 if master.gone.is_set() else 0
+
+
+async def _relay(src: asyncio.Event, dst: asyncio.Event) -> None:
+    await src.wait()
+    dst.set()

@@ -1,6 +1,8 @@
 """Client of the master group, used by daemons (register, heartbeat, handover) and clients
 (membership). Starts at a random master (so a fleet spreads over the group) and tries the others
-in turn; a wrong token fails at once with a clear error."""
+in turn; a wrong token fails at once with a clear error. Heartbeats go to every master as UDP
+datagrams (gcache.meta.beat); a master that has not answered one within half the deadline gets
+the Heartbeat RPC instead, so a network that drops UDP costs latency, not membership."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import grpc
 from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
+from gcache.meta.beat import BeatClient
 
 
 class MasterUnavailable(GCacheError):
@@ -59,6 +62,7 @@ class MasterClient:
         self._channels = {a: grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in self.addresses}
         self._preferred = random.randrange(len(self.addresses))
         self._lock = threading.Lock()
+        self._beats = BeatClient(self.addresses, token) if token else None
 
     def _md(self) -> tuple[tuple[str, str], ...]:
         return ((rpc.TOKEN_HEADER, self.token),) if self.token else ()
@@ -93,7 +97,25 @@ class MasterClient:
     def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
         """Call every master in parallel; the answers of those that replied."""
         timeout = timeout_s or self.timeout_s
-        futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in self.addresses]
+        if name == "Heartbeat" and self._beats is not None:
+            return self.heartbeat_all(request, timeout)
+        return self._call_all(name, request, timeout, self.addresses)
+
+    def heartbeat_all(self, request: dict[str, Any], timeout_s: float) -> list[dict]:
+        """One heartbeat to every master: UDP first, the RPC for masters silent after half the
+        deadline. The replies of those that answered."""
+        assert self._beats is not None
+        replies, auth_error = self._beats.round(request, timeout_s / 2)
+        missing = [a for a in self.addresses if a not in replies]
+        out = list(replies.values())
+        if missing:
+            out += self._call_all("Heartbeat", request, timeout_s / 2, missing)
+        if auth_error and not out:
+            raise AuthFailed("the masters refused this cluster token (heartbeat)")
+        return out
+
+    def _call_all(self, name: str, request: dict[str, Any], timeout: float, addresses: list[str]) -> list[dict]:
+        futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in addresses]
         out = []
         for f in futs:
             try:

@@ -12,13 +12,12 @@ which gives sub-second leader failover; appendEntries batching is off for ~1 ms 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, Protocol
 
 import msgpack
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
 from gcache.meta import raft_guard
@@ -114,45 +113,6 @@ class RaftGroup:
                 raise ValueError(out["error"])
             return out["ok"]
 
-    async def propose_async(self, cmd: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
-        """``propose`` for an event loop: no thread waits; pysyncobj's callback settles a future.
-        Retried through elections until the deadline."""
-        blob = msgpack.packb(cmd)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        last: Any = None
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise ProposalFailed(f"not committed within {timeout_s}s: {_reason(last)}")
-            fut: asyncio.Future = loop.create_future()
-
-            def settle(result: Any, error: int, fut: asyncio.Future = fut) -> None:
-                def set_() -> None:
-                    if not fut.done():
-                        fut.set_result((result, error))
-                try:
-                    loop.call_soon_threadsafe(set_)
-                except RuntimeError:  # the loop has closed: nobody waits any more
-                    pass
-
-            self._log.apply(blob, callback=settle)
-            try:
-                result, error = await asyncio.wait_for(fut, remaining)
-            except TimeoutError:
-                raise ProposalFailed(f"not committed within {timeout_s}s: {_reason(last)}") from None
-            if error == FAIL_REASON.SUCCESS:
-                out = msgpack.unpackb(result)
-                if "error" in out:
-                    raise ValueError(out["error"])
-                return out["ok"]
-            last = error
-            await asyncio.sleep(0.02)  # an election is in progress; try again shortly
-
     def close(self) -> None:
         self._obj.destroy()
 
-
-def _reason(code: Any) -> str:
-    names = {v: k for k, v in vars(FAIL_REASON).items() if k.isupper()}
-    return names.get(code, repr(code))
