@@ -102,6 +102,10 @@ def test_hundreds_of_watchers_heartbeats_stay_fast_and_clients_bootstrap(master)
             assert c.membership.epoch == out["epoch"] and list(c.membership.owners()) == ["n0"]
         assert took < 2.0, f"bootstrap took {took:.2f}s"
 
+        # a watcher that re-attaches with the current epoch gets a short "unchanged" first
+        first = next(iter(mc.watch(address, known=out["epoch"])))
+        assert first == {"epoch": out["epoch"], "unchanged": True}
+
         # an epoch change reaches every watcher
         new = mc.call("Register", {"node": "n1", "address": "127.0.0.1:2", "capacity": 1 << 30}, timeout_s=5.0)
         assert poll(lambda: all(e >= new["epoch"] for e in watchers.epochs.values()), 30)
@@ -116,3 +120,21 @@ def test_a_client_with_the_wrong_token_fails_fast_and_says_so(master):
     with pytest.raises(AuthFailed):
         Client(master.master_url, token="not-the-token")
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_client_follows_epochs_through_deltas(master):
+    mc = MasterClient(master.master_url, master.token, timeout_s=2.0)
+    mc.call("Register", {"node": "a", "address": "127.0.0.1:1", "capacity": 1 << 30}, timeout_s=5.0)
+    with Client(master.master_url, token=master.token) as c:
+        raw = mc.watch(master.master_procs[0].address, known=c.membership.epoch)
+        it = iter(raw)
+        assert next(it)["unchanged"]
+        out = mc.call("Register", {"node": "b", "address": "127.0.0.1:2", "capacity": 1 << 30}, timeout_s=5.0)
+        d = next(it)
+        assert d["delta"] == out["epoch"] - 1 and [r["id"] for r in d["nodes"]] == ["b"]
+        assert poll(lambda: c.membership.epoch == out["epoch"], 10)
+        assert sorted(c.membership.owners()) == ["a", "b"] and c.membership.previous is not None
+        mc.call("Drain", {"node": "b"}, timeout_s=5.0)
+        assert poll(lambda: c.membership.owners().keys() == {"a"}, 10)
+        raw.cancel()
+    mc.close()

@@ -27,6 +27,8 @@ def run(table: NodeTable, line: str) -> str:
         cmd.update(node=args[0], inc=int(args[1]), state=args[2])
     elif op == "handover_done":
         cmd.update(node=args[0], epoch=int(args[1]))
+    elif op == "handover_done_many":
+        cmd.update(reports=[{"node": a.split(":")[0], "epoch": int(a.split(":")[1])} for a in args])
     elif op in ("drain", "remove"):
         cmd.update(node=args[0])
     elif op == "restart-from-snapshot":
@@ -40,7 +42,7 @@ def run(table: NodeTable, line: str) -> str:
         out = table.apply(cmd)
     except CommandError as exc:
         return f"refused: {exc}"
-    return " ".join(f"{k}={out[k]}" for k in sorted(out))
+    return " ".join(f"{k}={out[k]}" for k in sorted(out)).replace("'", "")
 
 
 def render(table: NodeTable) -> str:

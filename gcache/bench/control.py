@@ -31,6 +31,7 @@ from gcache.bench.control_sim import daemons_process, watchers_process
 from gcache.bench.driver import BenchError
 from gcache.cluster import LocalCluster
 from gcache.errors import GCacheError
+from gcache.meta.master import FRONT_NICE
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership, NodeState
 
@@ -156,16 +157,18 @@ class ControlBench:
         return out
 
     def _renice(self) -> None:
-        """Renice every thread of every master process (Linux priorities are per thread)."""
+        """Renice every thread of every master process (Linux priorities are per thread); the
+        front stays FRONT_NICE below its core, as the master sets it."""
         if not self.c.nice:
             return
         for group in self._master_pids():
-            for pid in group:
+            for k, pid in enumerate(group):
+                nice = self.c.nice + (FRONT_NICE if k == 0 and len(group) > 1 else 0)
                 try:
                     for tid in os.listdir(f"/proc/{pid}/task"):
-                        os.setpriority(os.PRIO_PROCESS, int(tid), self.c.nice)
+                        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
                 except OSError as exc:
-                    raise BenchError(f"cannot renice master {pid} to {self.c.nice}: {exc}") from None
+                    raise BenchError(f"cannot renice master {pid} to {nice}: {exc}") from None
 
     def start(self) -> None:
         c = self.c

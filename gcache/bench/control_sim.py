@@ -7,8 +7,9 @@ event loops in a few processes, speaking the real control protocol to real maste
   HandoverDone when a heartbeat says it has a handover pending.
 * A simulated client is one WatchMembership stream on a connection of its own, attached to a
   random master and re-attached to the next one after a jittered backoff when the stream
-  breaks (like gcache.client.routing.MembershipWatcher). It reads only the epoch of each
-  membership (a real client also builds a ring, which costs the client, not the master).
+  breaks (like gcache.client.routing.MembershipWatcher: after a stream that worked, within
+  uniform(0, 1 s)). It reads only the epoch of each message (a real client also applies deltas
+  and builds a ring, which costs the client, not the master).
 
 Each process runs one asyncio loop and answers the driver's commands over a pipe.
 """
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 import msgpack
 
+from gcache.client.routing import REATTACH_SPREAD_S
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient, beat_key, seal, unseal
 from gcache.meta.master_client import Backoff
@@ -202,8 +204,9 @@ class Watchers:
             address = order[k % len(order)]
             k += 1
             ch = chans.get(address) or chans.setdefault(address, _channel(address))
+            known = self.seen_e[i][-1] if self.seen_e[i] else -1
             call = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
-                {}, metadata=self.md)
+                {"known": known}, metadata=self.md)
             try:
                 async for raw in call:
                     now = time.time()
@@ -216,8 +219,9 @@ class Watchers:
                     self.seen_e[i].append(epoch_of(raw))
             except grpc.aio.AioRpcError:
                 pass
+            delivered = self.attached[i] is not None
             self.attached[i] = None
-            await asyncio.sleep(backoff.next())
+            await asyncio.sleep(random.uniform(0, REATTACH_SPREAD_S) if delivered else backoff.next())
 
     def handle(self, cmd: str, arg: Any) -> Any:
         if cmd == "attached":

@@ -5,6 +5,7 @@ stream, and on demand when a daemon's reply carries a newer epoch."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -14,11 +15,16 @@ from typing import Any
 import grpc
 
 from gcache.errors import ConfigError, GCacheError
+from gcache.meta import delta
 from gcache.meta.master_client import AuthFailed, Backoff, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 
 log = logging.getLogger(__name__)
+# After a stream that worked breaks (its master died), wait uniform(0, this) before re-attaching:
+# every client of that master is re-attaching at the same moment, and a spread-out arrival is
+# served at once where a burst queues. The client keeps routing by what it holds meanwhile.
+REATTACH_SPREAD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class MembershipWatcher:
         self.attempt_timeout_s = attempt_timeout_s
         self.error: GCacheError | None = None  # why the last attempt failed (AuthFailed: a wrong token)
         self.attaches = 0  # streams that delivered a membership
+        self.known = -1  # epoch of the last membership delivered
+        self._held: dict | None = None  # that membership as the master sent it (deltas apply to it)
         self._first = threading.Event()
         self._stop = threading.Event()
         self._call: Any = None
@@ -89,14 +97,17 @@ class MembershipWatcher:
             i += 1
             if self._attempt(address):
                 backoff.reset()
-            if self._stop.wait(backoff.next()):
+                wait = random.uniform(0, REATTACH_SPREAD_S)
+            else:
+                wait = backoff.next()
+            if self._stop.wait(wait):
                 return
 
     def _attempt(self, address: str) -> bool:
         """One stream, until it breaks; True if it delivered at least one membership."""
         got = False
         try:
-            call = self.masters.watch(address)
+            call = self.masters.watch(address, self.known)
         except ValueError as exc:  # the channel was closed under us (stop)
             log.debug("watch on %s not started: %s", address, exc)
             return False
@@ -107,7 +118,14 @@ class MembershipWatcher:
         try:
             for m in call:
                 timer.cancel()
-                self.on_update(Membership.from_master(m))
+                if "delta" in m:
+                    if self._held is None or self._held["epoch"] != m["delta"]:
+                        raise GCacheError(f"a delta from epoch {m['delta']} but this client holds {self.known}")
+                    m = delta.apply(self._held, m)
+                if not m.get("unchanged"):
+                    membership = Membership.from_master(m)
+                    self.on_update(membership)
+                    self._held, self.known = m, membership.epoch
                 if not got:
                     got = True
                     self.attaches += 1
@@ -121,9 +139,10 @@ class MembershipWatcher:
                 self._first.set()
             elif not self._stop.is_set():
                 log.debug("watch on %s ended: %s", address, exc.code())
-        except GCacheError as exc:
+        except (GCacheError, ValueError, KeyError) as exc:
             log.warning("unusable membership from %s: %s", address, exc)
-            self.error = exc
+            self.known, self._held = -1, None  # the next attempt asks for the whole membership
+            self.error = exc if isinstance(exc, GCacheError) else GCacheError(str(exc))
             self._first.set()
             call.cancel()
         finally:

@@ -74,6 +74,8 @@ class Core:
         self._stop = threading.Event()
         self._in_flight: set[tuple[str, int]] = set()
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="propose")
+        self._reports: list[tuple[int, dict[str, Any]]] = []  # handover reports waiting for a batch
+        self._reports_cv = threading.Condition()
         self.beats = BeatListener(udp[0], udp[1], config.token, self.heartbeat_reply)
         self.raft = RaftGroup(config.raft, list(config.peers), config.token,
                               _Guarded(self.table, self.lock, self.changed))
@@ -85,7 +87,8 @@ class Core:
     # -- requests from the front ----------------------------------------------------------------
     def run(self) -> None:
         self.beats.start()
-        for target, name in ((self._publish_loop, "publish"), (self._detect_loop, "failure-detector")):
+        for target, name in ((self._publish_loop, "publish"), (self._detect_loop, "failure-detector"),
+                             (self._report_loop, "handover-reports")):
             threading.Thread(target=target, name=name, daemon=True).start()
         self.changed.set()
         self.send(("ready",))
@@ -105,6 +108,8 @@ class Core:
             pass
         finally:
             self._stop.set()
+            with self._reports_cv:
+                self._reports_cv.notify_all()
             self.beats.stop()
             self.raft.close()
 
@@ -126,6 +131,11 @@ class Core:
         if stale is not None:
             self.send(("reply", req_id, True, stale))
             return
+        if cmd.get("op") == "handover_done":
+            with self._reports_cv:
+                self._reports.append((req_id, {"node": cmd["node"], "epoch": cmd["epoch"]}))
+                self._reports_cv.notify()
+            return
         try:
             out = self.raft.propose({"v": COMMAND_VERSION, **cmd}, timeout_s=timeout_s)
             self.send(("reply", req_id, True, out))
@@ -133,6 +143,26 @@ class Core:
             self.send(("reply", req_id, False, ("refused", str(exc))))
         except ProposalFailed as exc:
             self.send(("reply", req_id, False, ("unavailable", f"no Raft leader: {exc}")))
+
+    def _report_loop(self) -> None:
+        """Group commit of handover reports: whatever arrived while the previous batch was being
+        committed goes in the next one (one Raft entry for hundreds of reports)."""
+        while not self._stop.is_set():
+            with self._reports_cv:
+                self._reports_cv.wait_for(lambda: self._reports or self._stop.is_set(), 0.5)
+                batch, self._reports = self._reports[:512], self._reports[512:]
+            if not batch:
+                continue
+            try:
+                out = self.raft.propose({"v": COMMAND_VERSION, "op": "handover_done_many",
+                                         "reports": [r for _, r in batch]}, timeout_s=3.0)
+                for (req_id, _), result in zip(batch, out["results"]):
+                    self.send(("reply", req_id, True, result))
+            except (ValueError, ProposalFailed) as exc:
+                kind = "refused" if isinstance(exc, ValueError) else "unavailable"
+                for req_id, _ in batch:
+                    self.send(("reply", req_id, False, (kind, f"no Raft leader: {exc}" if kind == "unavailable"
+                                                         else str(exc))))
 
     def heartbeat_reply(self, req: dict) -> dict:
         """A heartbeat, over UDP (the listener's thread) or relayed from the Heartbeat RPC.

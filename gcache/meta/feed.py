@@ -1,7 +1,9 @@
 """The membership as a master serves it: encoded once per epoch, shared by every watcher.
 
 ``MembershipFeed`` lives on the master's event loop. The core process (gcache.meta.core) sends
-the encoded membership whenever the epoch moves; ``offer`` takes it and wakes the watchers.
+the encoded membership whenever the epoch moves; ``offer`` takes it, encodes the delta from the
+previous one (gcache.meta.delta: a few hundred bytes where the membership is tens of KB) and
+wakes the watchers; a watcher that held the previous epoch is sent the delta.
 Waking thousands of streams at once would hold the loop (and grpc's completion queue) for the
 whole fan-out, so other RPCs (new clients, registrations) would queue behind it: the watchers are
 woken in slices with a short pause between them, which keeps every other RPC's wait to about one
@@ -14,6 +16,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from gcache.meta import rpc
+from gcache.meta.delta import diff
+
 log = logging.getLogger(__name__)
 
 
@@ -21,6 +26,9 @@ log = logging.getLogger(__name__)
 class Snapshot:
     epoch: int
     encoded: bytes  # msgpack of the membership, as GetMembership and WatchMembership send it
+    unchanged: bytes = b""  # msgpack of {"epoch", "unchanged": True}: for a watcher that has it already
+    base: int = -2  # the epoch published before this one...
+    delta: bytes = b""  # ...and the delta from it (gcache.meta.delta): what its watchers are sent
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class MembershipFeed:
         self._waiters: list[asyncio.Future] = []
         self._epoch_waiters: list[tuple[int, asyncio.Future]] = []
         self.current = Snapshot(-1, b"")
+        self._held: dict | None = None  # the current membership, decoded (to diff the next one)
         self.published = 0  # epochs published (for status)
         self.watchers = 0
 
@@ -44,7 +53,11 @@ class MembershipFeed:
         """A membership from the core (on the loop); a new epoch wakes the watchers."""
         if epoch == self.current.epoch:
             return
-        self.current = Snapshot(epoch, encoded)
+        m = rpc.unpack(encoded)
+        delta = rpc.pack(diff(self._held, m)) if self._held is not None else b""
+        base = self._held["epoch"] if self._held is not None else -2
+        self._held = m
+        self.current = Snapshot(epoch, encoded, rpc.pack({"epoch": epoch, "unchanged": True}), base, delta)
         self.published += 1
         waiters, self._waiters = self._waiters, []
         asyncio.get_running_loop().create_task(self._wake(waiters))

@@ -125,10 +125,11 @@ class MasterClient:
                     raise AuthFailed(f"a master refused the cluster token: {exc.details()}") from None
         return out
 
-    def watch(self, address: str) -> Any:
+    def watch(self, address: str, known: int = -1) -> Any:
         """Memberships streamed by one master: an iterator of dicts that raises grpc.RpcError
-        when the master goes away, and a grpc call (``cancel()``)."""
-        return self._method(address, "WatchMembership", streaming=True)({}, metadata=self._md())
+        when the master goes away, and a grpc call (``cancel()``). With ``known`` (the epoch held
+        already) the first message may be ``{"epoch": known, "unchanged": True}``."""
+        return self._method(address, "WatchMembership", streaming=True)({"known": known}, metadata=self._md())
 
     def shuffled(self) -> list[str]:
         """The masters in a random order (each watcher starts somewhere else)."""

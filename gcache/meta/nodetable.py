@@ -109,6 +109,12 @@ class NodeTable:
             self.epoch += 1
         return {"epoch": self.epoch, "closed": self.transition is None}
 
+    def _cmd_handover_done_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Several nodes' reports in one command (a master batches them: after a join every node
+        reports, and one Raft entry per report would cost a large fleet dearly)."""
+        results = [self._cmd_handover_done(r) for r in cmd["reports"]]
+        return {"epoch": self.epoch, "results": results}
+
     def _cmd_remove(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self._get(cmd["node"])
         before = self._owners()
