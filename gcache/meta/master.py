@@ -95,6 +95,7 @@ class Master:
         self._proc: Any = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
+        self._stopping = False
 
     async def start(self) -> Master:
         loop = asyncio.get_running_loop()
@@ -155,7 +156,8 @@ class Master:
                         fut.set_result((msg[2], msg[3]))
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
-            log.critical("the master's core process exited; stopping")
+            if not self._stopping:
+                log.critical("the master's core process exited; stopping")
             for fut in self._waiting.values():
                 if not fut.done():
                     fut.set_exception(CoreGone())
@@ -174,6 +176,7 @@ class Master:
             self._waiting.pop(req_id, None)
 
     async def stop(self) -> None:
+        self._stopping = True
         if self.server is not None:
             await self.server.stop(grace=0.5)
         if self._conn is not None and not self.gone.is_set():
