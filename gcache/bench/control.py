@@ -35,6 +35,7 @@ from gcache.meta.master import FRONT_NICE
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership, NodeState
 
+WATCHER_NICE = 5  # with --nice: the simulated clients this much below the masters' cores and the daemons
 TARGETS = {"bootstrap_p99_ms": 100.0, "propagation_p99_ms": 1000.0, "false_down": 0,
            "failover_median_s": 0.5, "reattach_max_s": 2.0}
 
@@ -141,8 +142,7 @@ class ControlBench:
         self.cluster = LocalCluster(nodes=0, masters=config.masters, root=config.root)
         self.procs: list[_Proc] = []
         self.watcher_procs: list[_Proc] = []
-        self.down: set[str] = set()
-        self.suspect: set[str] = set()
+        self.events: list[tuple[float, str, str]] = []  # (wall time, node, "down" | "suspect")
         self._observer: Any = None
         self._status_clients: dict[str, MasterClient] = {}
         self.churn_errors = 0
@@ -190,7 +190,10 @@ class ControlBench:
         self._observer = MembershipWatcher(MasterClient(self.url, self.token), self._observe).start()
         per = -(-c.watchers // c.watcher_procs)
         for n in range(0, c.watchers, per):
-            p = _Proc(watchers_process, self.addresses, self.token, min(per, c.watchers - n), c.ramp_per_s, c.nice)
+            # below the simulated daemons: in a fleet they run on other hosts, and here a watcher
+            # reconnect storm must not delay the heartbeats the failure detector judges
+            p = _Proc(watchers_process, self.addresses, self.token, min(per, c.watchers - n), c.ramp_per_s,
+                      c.nice + WATCHER_NICE if c.nice else 0)
             self.watcher_procs.append(p)
             self.procs.append(p)
         t0 = time.monotonic()
@@ -198,11 +201,14 @@ class ControlBench:
         self.log(f"  {c.watchers} watchers attached in {time.monotonic() - t0:.1f}s")
 
     def _observe(self, m: Membership) -> None:
+        now = time.time()
         for n in m.nodes:
-            if n.state is NodeState.DOWN:
-                self.down.add(n.node_id)
-            elif n.state is NodeState.SUSPECT:
-                self.suspect.add(n.node_id)
+            if n.state in (NodeState.DOWN, NodeState.SUSPECT):
+                self.events.append((now, n.node_id, n.state.value))
+
+    def declared(self, state: str, since: float, until: float = float("inf")) -> int:
+        """Nodes seen in ``state`` between two times (every simulated daemon is alive)."""
+        return len({n for t, n, s in self.events if s == state and since <= t <= until})
 
     def stop_load(self) -> None:
         if self._observer is not None:
@@ -288,6 +294,7 @@ class ControlBench:
 
     def steady(self) -> dict[str, Any]:
         c = self.c
+        self.t_steady = time.time()
         sampler = _MasterSampler(self._master_pids())
         sampler.start()
         for p in self.procs:
@@ -412,6 +419,7 @@ def run(config: ControlConfig, log: Any = print) -> dict[str, Any]:
     if config.nice:
         os.setpriority(os.PRIO_PROCESS, 0, config.nice)  # the driver (bootstraps, churn, failovers)
     bench = ControlBench(config, log)
+    load_before = os.getloadavg()
     try:
         bench.start()
         log(f"  steady load for {config.seconds:.0f}s")
@@ -431,8 +439,12 @@ def run(config: ControlConfig, log: Any = print) -> dict[str, Any]:
         if fails:
             rec["failover_median_s"] = float(np.median([f["leader_s"] for f in fails]))
             rec["reattach_max_s"] = max(f["reattach_s"] for f in fails)
-        rec["false_down"] = len(bench.down)
-        rec["suspected"] = len(bench.suspect)
+        t0 = bench.t_steady
+        rec["false_down"] = bench.declared("down", t0)  # from the steady phase on, failovers included
+        rec["suspected"] = bench.declared("suspect", t0)
+        rec["setup_false_down"] = bench.declared("down", 0, t0)  # while 500 daemons and the watchers started
+        rec["load_avg"] = {"before": [round(x, 1) for x in load_before],
+                           "after": [round(x, 1) for x in os.getloadavg()]}
         bench.stop_load()  # then compare the masters' tables
         rec["masters_agree"] = bench.masters_agree()
         rec["watchers"], rec["daemons"] = config.watchers, config.daemons

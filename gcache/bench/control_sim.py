@@ -197,13 +197,13 @@ class Watchers:
 
     async def run_one(self, i: int) -> None:
         order = random.sample(self.masters, len(self.masters))
-        chans: dict[str, grpc.aio.Channel] = {}
+        chans = {a: _channel(a) for a in order}  # as MasterClient: a channel per master, connected on use
         backoff = Backoff()
         k = 0
         while True:
             address = order[k % len(order)]
             k += 1
-            ch = chans.get(address) or chans.setdefault(address, _channel(address))
+            ch = chans[address]
             known = self.seen_e[i][-1] if self.seen_e[i] else -1
             call = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
                 {"known": known}, metadata=self.md)

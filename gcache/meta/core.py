@@ -21,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import logging.handlers
 import os
+import queue
 import signal
 import sys
 import threading
@@ -233,13 +235,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def log_without_blocking(level: str, fmt: str) -> logging.handlers.QueueListener:
+    """Log through a queue: a thread that logs never waits for the log file (on a machine busy
+    writing, a write can block for hundreds of ms, and Raft's thread logs too)."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(logging.Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    root.setLevel(level.upper())
+    listener = logging.handlers.QueueListener(q, out)
+    listener.start()
+    return listener
+
+
 def core_main(conn: Any, config: Any, udp: tuple[str, int], log_level: str, name: str) -> None:
     """Entry point of the core process (started by the front with multiprocessing)."""
     _die_with_parent()
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which stops us
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s master[{name}] %(levelname)s %(message)s")
+    listener = log_without_blocking(log_level, f"%(asctime)s master[{name}] %(levelname)s %(message)s")
     if parent == 1:
         return
     try:
@@ -249,4 +264,7 @@ def core_main(conn: Any, config: Any, udp: tuple[str, int], log_level: str, name
         return
     gc.freeze()  # everything from start-up lives as long as the process
     gc.set_threshold(50_000, 20, 100)
-    core.run()
+    try:
+        core.run()
+    finally:
+        listener.stop()

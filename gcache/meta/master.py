@@ -34,7 +34,7 @@ import grpc
 
 from gcache.errors import ConfigError
 from gcache.meta import rpc
-from gcache.meta.core import core_main
+from gcache.meta.core import core_main, log_without_blocking
 from gcache.meta.feed import FanOut, MembershipFeed
 from gcache.process import write_ready
 
@@ -284,8 +284,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s master[{args.id or args.raft}] %(levelname)s %(message)s")
+    listener = log_without_blocking(args.log_level, f"%(asctime)s master[{args.id or args.raft}] %(levelname)s "
+                                                    "%(message)s")
+    try:
+        return _run(args)
+    finally:
+        listener.stop()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = MasterConfig(listen=args.listen, raft=args.raft,
                               peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
