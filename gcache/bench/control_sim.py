@@ -194,6 +194,14 @@ class Watchers:
         self.seen_t: list[list[float]] = [[] for _ in range(count)]  # wall time of each membership...
         self.seen_e: list[list[int]] = [[] for _ in range(count)]  # ...and its epoch
         self.attaches = 0
+        self.calls: list[Any] = [None] * count
+        self.move_to: list[str | None] = [None] * count  # rebalance: the master to attach to next
+
+    def _move(self, i: int) -> None:
+        self.move_to[i] = random.choice(self.masters)
+        call = self.calls[i]
+        if call is not None:
+            call.cancel()
 
     async def run_one(self, i: int) -> None:
         order = random.sample(self.masters, len(self.masters))
@@ -203,9 +211,11 @@ class Watchers:
         while True:
             address = order[k % len(order)]
             k += 1
+            if self.move_to[i] is not None:
+                address, self.move_to[i] = self.move_to[i], None
             ch = chans[address]
             known = self.seen_e[i][-1] if self.seen_e[i] else -1
-            call = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
+            call = self.calls[i] = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
                 {"known": known}, metadata=self.md)
             try:
                 async for raw in call:
@@ -219,13 +229,29 @@ class Watchers:
                     self.seen_e[i].append(epoch_of(raw))
             except grpc.aio.AioRpcError:
                 pass
+            except asyncio.CancelledError:
+                if self.move_to[i] is None:  # the process is stopping, not a rebalance
+                    raise
             delivered = self.attached[i] is not None
             self.attached[i] = None
+            if self.move_to[i] is not None:
+                continue  # rebalancing: straight to the master picked
             await asyncio.sleep(random.uniform(0, REATTACH_SPREAD_S) if delivered else backoff.next())
 
     def handle(self, cmd: str, arg: Any) -> Any:
         if cmd == "attached":
             return sum(a is not None for a in self.attached)
+        if cmd == "spread":  # how many watchers each master holds
+            out: dict[str, int] = {}
+            for a in self.attached:
+                if a is not None:
+                    out[a] = out.get(a, 0) + 1
+            return out
+        if cmd == "rebalance":  # every watcher moves to a random master within arg seconds (new clients would)
+            loop = asyncio.get_running_loop()
+            for i in range(self.count):
+                loop.call_later(random.uniform(0, arg), self._move, i)
+            return None
         if cmd == "reattach":  # arg: (dead master, kill time)
             dead, t_kill = arg
             pending = sum(a is None or a == dead for a in self.attached)
