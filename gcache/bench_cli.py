@@ -103,7 +103,7 @@ def add_bench_parser(sub) -> None:
                                      "hit-rate replay of a trace")
     _throughput_args(b)
     b.set_defaults(fn=_run_throughput)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding,soak}")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{throughput,hitrate,embedding,soak,control-plane}")
     t = bsub.add_parser("throughput", help="GB/s, keys/s and p50/p99/p999 of gcache, Redis, Mooncake Store, "
                                            "beside the memcpy and raw-socket ceilings")
     _throughput_args(t)
@@ -121,6 +121,12 @@ def add_bench_parser(sub) -> None:
                                      "(exit 1 if any)")
     _soak_args(s)
     s.set_defaults(fn=_run_soak)
+    from gcache.bench import control_report
+
+    c = bsub.add_parser("control-plane", help="real masters under simulated daemons and clients: bootstrap, "
+                                              "propagation, heartbeats, false DOWN, leader failover")
+    control_report.add_arguments(c)
+    c.set_defaults(fn=control_report.run_cli)
 
 
 def _run_throughput(args: argparse.Namespace) -> int:

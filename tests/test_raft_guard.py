@@ -50,6 +50,15 @@ def master(tmp_path_factory):
     c.stop()
 
 
+def core_pid(c: LocalCluster) -> int:
+    """The process that owns the Raft port (the master's core, gcache.meta.core)."""
+    mc = MasterClient(c.master_url, c.token, timeout_s=5.0)
+    try:
+        return int(mc.call("Status", {})["master"]["core_pid"])
+    finally:
+        mc.close()
+
+
 def raft_address(c: LocalCluster) -> str:
     args = c.master_procs[0].args
     return args[args.index("--raft") + 1]
@@ -66,7 +75,7 @@ def still_serves(c: LocalCluster) -> bool:
 
 @pytest.mark.parametrize("head", [b"", struct.pack("i", 0x7FFFFFFF)], ids=["zeros", "huge-length"])
 def test_unauthenticated_stream_is_not_buffered(master, head):
-    pid = master.master_procs[0].pid
+    pid = core_pid(master)
     time.sleep(0.5)  # let start-up allocations settle before taking the baseline
     before = peak_rss(pid)
     stream(raft_address(master), head, 104 * MiB)
