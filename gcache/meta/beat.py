@@ -64,7 +64,7 @@ class BeatListener:
     """The master's side: a thread answering heartbeat datagrams with ``handle(request) -> reply``
     (thread-safe; the same function as the Heartbeat RPC's)."""
 
-    def __init__(self, host: str, port: int, token: str, handle: Callable[[dict], dict]) -> None:
+    def __init__(self, host: str, port: int, token: str, handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         self.key, self.handle = beat_key(token), handle
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -122,7 +122,7 @@ class BeatClient:
 
     def __init__(self, addresses: list[str], token: str) -> None:
         self.key = beat_key(token)
-        self.targets: dict[tuple, str] = {}
+        self.targets: dict[tuple[Any, ...], str] = {}
         for a in addresses:
             host, _, port = a.rpartition(":")
             info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
@@ -134,12 +134,12 @@ class BeatClient:
             cls._seq = max(cls._seq + 1, time.monotonic_ns())
             return cls._seq
 
-    def round(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, dict], bool]:
+    def round(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, dict[str, Any]], bool]:
         """Send ``request`` to every master; ({master address: reply}, whether some master said
         the token is wrong) once all answered or ``timeout_s`` passed."""
         seq = self.next_seq()
         payload = seal(self.key, {**request, "v": VERSION, "seq": seq})
-        replies: dict[str, dict] = {}
+        replies: dict[str, dict[str, Any]] = {}
         auth_error = False
         families = {socket.AF_INET6 if ":" in t[0] else socket.AF_INET for t in self.targets}
         socks = [socket.socket(f, socket.SOCK_DGRAM) for f in families]

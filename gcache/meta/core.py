@@ -82,7 +82,7 @@ class Core:
         self.raft = RaftGroup(config.raft, list(config.peers), config.token,
                               _Guarded(self.table, self.lock, self.changed))
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: tuple[Any, ...]) -> None:
         with self._send_lock:
             self.conn.send(msg)
 
@@ -168,7 +168,7 @@ class Core:
                     self.send(("reply", req_id, False, (kind, f"no Raft leader: {exc}" if kind == "unavailable"
                                                          else str(exc))))
 
-    def heartbeat_reply(self, req: dict) -> dict:
+    def heartbeat_reply(self, req: dict[str, Any]) -> dict[str, Any]:
         """A heartbeat, over UDP (the listener's thread) or relayed from the Heartbeat RPC.
         "leader": only the leader's failure detector declares nodes DOWN, so daemons may want
         its acknowledgement."""
@@ -251,7 +251,7 @@ def _die_with_parent() -> None:
 def log_without_blocking(level: str, fmt: str) -> logging.handlers.QueueListener:
     """Log through a queue: a thread that logs never waits for the log file (on a machine busy
     writing, a write can block for hundreds of ms, and Raft's thread logs too)."""
-    q: queue.SimpleQueue = queue.SimpleQueue()
+    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter(fmt))
     root = logging.getLogger()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.meta import rpc
 from gcache.meta.delta import diff
@@ -44,10 +45,10 @@ class FanOut:
 class MembershipFeed:
     def __init__(self, fan_out: FanOut = FanOut()) -> None:
         self.fan_out = fan_out
-        self._waiters: list[asyncio.Future] = []
-        self._epoch_waiters: list[tuple[int, asyncio.Future]] = []
+        self._waiters: list[asyncio.Future[None]] = []
+        self._epoch_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self.current = Snapshot(-1, b"")
-        self._held: dict | None = None  # the current membership, decoded (to diff the next one)
+        self._held: dict[str, Any] | None = None  # the current membership, decoded (to diff the next one)
         self.published = 0  # epochs published (for status)
         self.watchers = 0
 
@@ -72,7 +73,7 @@ class MembershipFeed:
                 still.append((at_least, fut))
         self._epoch_waiters = still
 
-    async def _wake(self, waiters: list[asyncio.Future]) -> None:
+    async def _wake(self, waiters: list[asyncio.Future[None]]) -> None:
         step = max(1, self.fan_out.slice)
         for i in range(0, len(waiters), step):
             for fut in waiters[i:i + step]:

@@ -94,7 +94,7 @@ class Master:
         self._conn: Any = None
         self._proc: Any = None
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -137,11 +137,12 @@ class Master:
         await self.server.start()
         return self
 
-    def _first_message(self) -> tuple:
+    def _first_message(self) -> tuple[Any, ...]:
         if not self._conn.poll(60):
             return ("failed", "no answer within 60 s")
         try:
-            return self._conn.recv()
+            first: tuple[Any, ...] = self._conn.recv()
+            return first
         except EOFError:
             return ("failed", f"it exited with {self._proc.exitcode} (see the log above)")
 
@@ -217,13 +218,14 @@ class Master:
         except (CoreGone, TimeoutError):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
         if ok:
-            return value
+            result: dict[str, Any] = value
+            return result
         kind, message = value
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION if kind == "refused"
                             else grpc.StatusCode.UNAVAILABLE, message)
         raise AssertionError("unreachable")
 
-    async def register(self, req: dict, context: Any) -> dict:
+    async def register(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         node = str(req["node"])
         out = await self._propose({"op": "register", "node": node, "address": str(req["address"]),
                                    "capacity": int(req["capacity"])}, context)
@@ -231,19 +233,20 @@ class Master:
         snap = await self.feed.at_least(int(out["epoch"]), timeout_s=2.0)
         return {**out, "membership": rpc.unpack(snap.encoded)}
 
-    async def heartbeat(self, req: dict, context: Any) -> dict:
+    async def heartbeat(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         """The RPC path (daemons use UDP, gcache.meta.beat); answered by the core."""
         req = {"node": str(req["node"]), "inc": int(req["inc"])}
         try:
             _ok, value = await self._ask("heartbeat", req, timeout_s=2.0)
         except (CoreGone, TimeoutError):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
-        return value
+        reply: dict[str, Any] = value
+        return reply
 
-    async def get_membership(self, req: dict, context: Any) -> bytes:
+    async def get_membership(self, req: dict[str, Any], context: Any) -> bytes:
         return self.feed.current.encoded
 
-    async def watch_membership(self, req: dict, context: Any) -> AsyncIterator[bytes]:
+    async def watch_membership(self, req: dict[str, Any], context: Any) -> AsyncIterator[bytes]:
         """The membership now, then at every epoch change: the delta from the previous epoch
         (gcache.meta.delta) when the watcher holds it, else the whole membership. A watcher
         re-attaching with the current epoch (``known``) first gets just ``{"epoch", "unchanged":
@@ -264,16 +267,16 @@ class Master:
         finally:
             self.feed.watchers -= 1
 
-    async def drain(self, req: dict, context: Any) -> dict:
+    async def drain(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         out = await self._propose({"op": "drain", "node": str(req["node"])}, context)
         log.info("draining %s (epoch %d)", req["node"], out["epoch"])
         return out
 
-    async def handover_done(self, req: dict, context: Any) -> dict:
+    async def handover_done(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         return await self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
                                    context)
 
-    async def status(self, req: dict, context: Any) -> dict:
+    async def status(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         try:
             _ok, core = await self._ask("status", timeout_s=5.0)
         except (CoreGone, TimeoutError):

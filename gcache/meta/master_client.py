@@ -67,7 +67,7 @@ class MasterClient:
     def _md(self) -> tuple[tuple[str, str], ...]:
         return ((rpc.TOKEN_HEADER, self.token),) if self.token else ()
 
-    def _method(self, address: str, name: str, streaming: bool = False):
+    def _method(self, address: str, name: str, streaming: bool = False) -> Any:
         ch = self._channels[address]
         path = f"/{rpc.SERVICE}/{name}"
         make = ch.unary_stream if streaming else ch.unary_unary
@@ -82,7 +82,7 @@ class MasterClient:
             idx = (self._preferred + i) % n
             address = self.addresses[idx]
             try:
-                out = self._method(address, name)(request, timeout=timeout, metadata=self._md())
+                out: dict[str, Any] = self._method(address, name)(request, timeout=timeout, metadata=self._md())
                 self._preferred = idx
                 return out
             except grpc.RpcError as exc:
@@ -94,14 +94,14 @@ class MasterClient:
                 errors.append(f"{address}: {code.name} {exc.details()}")
         raise MasterUnavailable("no master answered: " + "; ".join(errors))
 
-    def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
+    def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Call every master in parallel; the answers of those that replied."""
         timeout = timeout_s or self.timeout_s
         if name == "Heartbeat" and self._beats is not None:
             return self.heartbeat_all(request, timeout)
         return self._call_all(name, request, timeout, self.addresses)
 
-    def heartbeat_all(self, request: dict[str, Any], timeout_s: float) -> list[dict]:
+    def heartbeat_all(self, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         """One heartbeat to every master: UDP first, the RPC for masters silent after half the
         deadline. The replies of those that answered."""
         assert self._beats is not None
@@ -114,7 +114,7 @@ class MasterClient:
             raise AuthFailed("the masters refused this cluster token (heartbeat)")
         return out
 
-    def _call_all(self, name: str, request: dict[str, Any], timeout: float, addresses: list[str]) -> list[dict]:
+    def _call_all(self, name: str, request: dict[str, Any], timeout: float, addresses: list[str]) -> list[dict[str, Any]]:
         futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in addresses]
         out = []
         for f in futs:

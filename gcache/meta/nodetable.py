@@ -54,7 +54,8 @@ class NodeTable:
         fn = getattr(self, f"_cmd_{op}", None) if isinstance(op, str) else None
         if fn is None:
             raise CommandError(f"unknown command {op!r}")
-        return fn(cmd)
+        out: dict[str, Any] = fn(cmd)
+        return out
 
     def _cmd_register(self, cmd: dict[str, Any]) -> dict[str, Any]:
         node, address, capacity = cmd["node"], cmd["address"], int(cmd["capacity"])

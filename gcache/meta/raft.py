@@ -44,12 +44,12 @@ class ProposalFailed(Exception):
     """The command was not committed before the deadline (no leader, election in progress)."""
 
 
-class _Log(SyncObjConsumer):
+class _Log(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj is untyped
     def __init__(self, sm: StateMachine) -> None:
         self._sm = sm  # set before the base __init__ so it is not part of pysyncobj's snapshot
         super().__init__()
 
-    @replicated
+    @replicated  # type: ignore[untyped-decorator]
     def apply(self, blob: bytes) -> bytes:
         try:
             return msgpack.packb({"ok": self._sm.apply(msgpack.unpackb(blob))})
@@ -136,7 +136,8 @@ class RaftGroup:
                 continue
             if "error" in out:
                 raise ValueError(out["error"])
-            return out["ok"]
+            result: dict[str, Any] = out["ok"]
+            return result
 
     def close(self) -> None:
         self._obj.destroy()

@@ -36,7 +36,7 @@ _PRIVATE = ("_TcpConnection__processRead", "_TcpConnection__processParseMessage"
             "_TcpConnection__recvBufferSize")
 
 
-class GuardedConnection(TcpConnection):
+class GuardedConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj is untyped
     """See the module docstring. At most MAX_UNTRUSTED accepted connections may be authenticating
     at once; a new one evicts the oldest (a peer's handshake takes one round trip, so churning
     connections cannot keep a real peer out, and idle ones cannot pile up)."""
@@ -62,14 +62,14 @@ class GuardedConnection(TcpConnection):
 
     def _TcpConnection__processRead(self) -> bool:
         if self.trusted:
-            return TcpConnection._TcpConnection__processRead(self)
+            return bool(TcpConnection._TcpConnection__processRead(self))
         room = PREAUTH_MAX - len(self._TcpConnection__readBuffer)
         if room <= 0:
             return False  # parse what is buffered first (it holds a complete message: see below)
-        size = self._TcpConnection__recvBufferSize
+        size: int = getattr(self, "_TcpConnection__recvBufferSize")  # noqa: B009 - a name-mangled private
         self._TcpConnection__recvBufferSize = min(size, room)
         try:
-            return TcpConnection._TcpConnection__processRead(self)
+            return bool(TcpConnection._TcpConnection__processRead(self))
         finally:
             self._TcpConnection__recvBufferSize = size
 
@@ -91,7 +91,7 @@ class GuardedConnection(TcpConnection):
 
     def connect(self, host: str, port: int) -> bool:
         self.trusted = False
-        return super().connect(host, port)
+        return bool(super().connect(host, port))
 
     def disconnect(self) -> None:
         self.trusted = False

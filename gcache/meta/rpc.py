@@ -81,7 +81,7 @@ def _check(token: str | None, name: str, request: Any, context: Any) -> tuple[gr
     return None
 
 
-def unary(token: str | None, fn: Callable[[dict, Any], Awaitable[Any]]) -> grpc.RpcMethodHandler:
+def unary(token: str | None, fn: Callable[[dict[str, Any], Any], Awaitable[Any]]) -> grpc.RpcMethodHandler:
     """A grpc.aio unary handler: refuses a bad token, turns a bad request into INVALID_ARGUMENT."""
 
     async def handler(request: Any, context: Any) -> Any:
@@ -96,7 +96,7 @@ def unary(token: str | None, fn: Callable[[dict, Any], Awaitable[Any]]) -> grpc.
     return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=unpack, response_serializer=pack_reply)
 
 
-def stream(token: str | None, fn: Callable[[dict, Any], AsyncIterator[Any]]) -> grpc.RpcMethodHandler:
+def stream(token: str | None, fn: Callable[[dict[str, Any], Any], AsyncIterator[Any]]) -> grpc.RpcMethodHandler:
     """A grpc.aio server-streaming handler (an async generator), token checked first."""
 
     async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
