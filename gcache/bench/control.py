@@ -152,7 +152,7 @@ class ControlBench:
     # -- set-up ---------------------------------------------------------------------------------
     def _master_pids(self) -> list[tuple[int, ...]]:
         """(front, core) process ids of each master."""
-        out = []
+        out: list[tuple[int, ...]] = []
         for m in self.cluster.master_procs:
             st = self._status(m.address) or {}
             out.append((m.pid, int(st["core_pid"])) if st.get("core_pid") else (m.pid,))
@@ -330,7 +330,7 @@ class ControlBench:
         cpu = [round(100 * (sampler.cpu_s(group) - cpu0[group]) / elapsed, 1) for group in sampler.pids]
         beats = [p.ask("stats") for p in self.procs if p not in self.watcher_procs]
         lat = [x for b in beats for x in b["latencies"]]
-        per_change = [[] for _ in changes]
+        per_change: list[list[float]] = [[] for _ in changes]
         for p in self.watcher_procs:
             for i, lats in enumerate(p.ask("propagation", changes)):
                 per_change[i].extend(lats)
@@ -372,8 +372,9 @@ class ControlBench:
             sts = [self._status(m.address) for m in procs]
             leaders = [i for i, st in enumerate(sts) if st and st.get("is_leader")]
             answered = [st for st in sts if st]
-            if len(leaders) == 1 and len(answered) >= 2 and all(
-                    st.get("leader") == sts[leaders[0]].get("self") for st in answered):
+            lead = sts[leaders[0]] if len(leaders) == 1 else None
+            if lead is not None and len(answered) >= 2 and all(
+                    st.get("leader") == lead.get("self") for st in answered):
                 return (leaders[0],)
             return None
 
@@ -452,7 +453,7 @@ def run(config: ControlConfig, log: Any = print) -> dict[str, Any]:
         bench.start()
         log(f"  steady load for {config.seconds:.0f}s")
         rec: dict[str, Any] = {"config": asdict(config), **bench.steady()}
-        fails = []
+        fails: list[dict[str, Any]] = []
         for i in range(config.failovers):
             try:
                 fails.append(bench.failover())

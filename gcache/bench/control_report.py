@@ -58,6 +58,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
+        base: dict[str, Any]
         if args.quick:
             counts, base = [200], {"daemons": 50, "seconds": 5.0, "failovers": 1, "watcher_procs": 2, "daemon_procs": 1}
         else:

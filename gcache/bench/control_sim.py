@@ -72,7 +72,7 @@ class _Beats(asyncio.DatagramProtocol):
         reply = unseal(self.key, data)
         if reply is None:
             return
-        fut = self.waiting.pop((reply.get("seq"), addr[:2]), None)
+        fut = self.waiting.pop((int(reply.get("seq", -1)), addr[:2]), None)
         if fut is not None and not fut.done():
             fut.set_result(reply)
 
@@ -211,8 +211,9 @@ class Watchers:
         while True:
             address = order[k % len(order)]
             k += 1
-            if self.move_to[i] is not None:
-                address, self.move_to[i] = self.move_to[i], None
+            moved_to = self.move_to[i]
+            if moved_to is not None:
+                address, self.move_to[i] = moved_to, None
             ch = chans[address]
             known = self.seen_e[i][-1] if self.seen_e[i] else -1
             call = self.calls[i] = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
@@ -258,7 +259,7 @@ class Watchers:
             moved = [t - t_kill for t in self.attached_at if t > t_kill]
             return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0)}
         if cmd == "propagation":  # arg: [(epoch, t0)]: seconds until each watcher saw that epoch or later
-            out = []
+            lats: list[list[float]] = []
             for epoch, t0 in arg:
                 lat = []
                 for i in range(self.count):
@@ -272,8 +273,8 @@ class Watchers:
                         lat.append(times[j] - t0)
                     else:
                         lat.append(float("inf"))  # never notified
-                out.append(lat)
-            return out
+                lats.append(lat)
+            return lats
         if cmd == "trim":  # forget memberships seen before arg (keeps memory bounded on long runs)
             for i in range(self.count):
                 j = max(0, min(bisect.bisect_left(self.seen_t[i], arg), len(self.seen_t[i]) - 1))
