@@ -85,6 +85,8 @@ def test_hundreds_of_watchers_heartbeats_stay_fast_and_clients_bootstrap(master)
     try:
         assert poll(lambda: len(watchers.epochs) == WATCHERS, 60), f"{len(watchers.epochs)} of {WATCHERS} attached"
         assert mc.call("Status", {})["master"]["watchers"] >= WATCHERS
+        brief = mc.call("Status", {"brief": True})  # no per-node rows: cheap to poll
+        assert set(brief) == {"master"} and brief["master"]["is_leader"] and brief["master"]["epoch"] >= 1
 
         # heartbeats are answered at once, not after the streams
         times = []

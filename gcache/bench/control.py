@@ -354,7 +354,7 @@ class ControlBench:
         if mc is None:
             mc = self._status_clients[address] = MasterClient([address], self.token, timeout_s=0.5)
         try:
-            return mc.call("Status", {})["master"]
+            return mc.call("Status", {"brief": True})["master"]
         except GCacheError:
             return None
 

@@ -277,10 +277,16 @@ class Master:
                                    context)
 
     async def status(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        """This master's Raft view, the membership and heartbeat ages; with ``brief`` only the
+        first (no per-node rows: cheap enough to poll during a failover)."""
+        brief = bool(req.get("brief"))
         try:
-            _ok, core = await self._ask("status", timeout_s=5.0)
+            _ok, core = await self._ask("health" if brief else "status", timeout_s=5.0)
         except (CoreGone, TimeoutError):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this master's core does not answer")
+        if brief:
+            return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
+                               "epoch": core["epoch"], "core_pid": self.core_pid}}
         return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
                            "epochs_published": self.feed.published, "udp_heartbeats": core["udp_heartbeats"],
                            "core_pid": self.core_pid},
