@@ -116,3 +116,30 @@ def test_unauthenticated_connections_cannot_pile_up(master):
     finally:
         for s in socks:
             s.close()
+
+
+def test_an_idle_peer_link_survives_its_first_send_and_a_silent_peer_still_times_out():
+    """pysyncobj closed a link on the first send after a quiet spell longer than its timeout
+    (two followers are quiet until an election, so the first vote request was lost and the
+    failover took a second round); a peer that answers nothing to what it is sent still times out."""
+    from pysyncobj.poller import createPoller
+    from pysyncobj.tcp_connection import CONNECTION_STATE
+
+    from gcache.meta.raft_guard import GuardedConnection
+
+    ours, theirs = socket.socketpair()
+    conn = GuardedConnection(createPoller("select"), socket=ours, timeout=0.3)
+    try:
+        time.sleep(0.5)  # quiet both ways for longer than the timeout
+        conn.send({"vote": 1})
+        assert conn.state == CONNECTION_STATE.CONNECTED
+        theirs.settimeout(2)
+        assert len(theirs.recv(4096)) > 4  # the message went out
+        deadline = time.monotonic() + 5
+        while conn.state == CONNECTION_STATE.CONNECTED and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conn.send({"append": 1})  # sent on and on, never answered
+        assert conn.state == CONNECTION_STATE.DISCONNECTED
+    finally:
+        conn.disconnect()
+        theirs.close()

@@ -85,11 +85,12 @@ class RaftGroup:
             autoTickPeriod=0.01,
             connectionRetryTime=0.5,
             leaderFallbackTimeout=leader_fallback_s,
-            # Followers exchange nothing until an election: with a short idle timeout their link
-            # to each other was down whenever the leader died, so the first candidate's vote
-            # request was lost and every failover took two rounds (0.35-0.55 s instead of
-            # 0.15-0.25 s). Dead peers are found by TCP keepalive (5 s) and by reset connections.
-            connectionTimeout=30.0,
+            # A link on which this side sent and heard nothing back for this long is dropped and
+            # reconnected (a partitioned or stopped peer; after a heal, a new connection beats
+            # TCP's retransmission backoff). Quiet links are not dropped: followers exchange
+            # nothing until an election (gcache.meta.raft_guard counts the silence from the first
+            # send). Idle dead peers are found by TCP keepalive (5 s) and by reset connections.
+            connectionTimeout=3.0,
             tcp_keepalive=(2, 1, 3),
             dynamicMembershipChange=False,
             logCompactionMinEntries=2000,
