@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -56,7 +57,12 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run()'s cleanup: no master outlives the bench
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         base: dict[str, Any]
         if args.quick:

@@ -205,7 +205,9 @@ class Watchers:
 
     async def run_one(self, i: int) -> None:
         order = random.sample(self.masters, len(self.masters))
-        chans = {a: _channel(a) for a in order}  # as MasterClient: a channel per master, connected on use
+        # a connection to the master it watches, closed when the stream ends: 10,000 simulated
+        # clients holding idle connections to every master they had used took ~14 GB here
+        chans: dict[str, grpc.aio.Channel] = {}
         backoff = Backoff()
         k = 0
         while True:
@@ -214,7 +216,9 @@ class Watchers:
             moved_to = self.move_to[i]
             if moved_to is not None:
                 address, self.move_to[i] = moved_to, None
-            ch = chans[address]
+            ch = chans.get(address)
+            if ch is None:
+                ch = chans[address] = _channel(address)
             known = self.seen_e[i][-1] if self.seen_e[i] else -1
             call = self.calls[i] = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
                 {"known": known}, metadata=self.md)
@@ -235,6 +239,7 @@ class Watchers:
                     raise
             delivered = self.attached[i] is not None
             self.attached[i] = None
+            await chans.pop(address).close()
             if self.move_to[i] is not None:
                 continue  # rebalancing: straight to the master picked
             await asyncio.sleep(random.uniform(0, REATTACH_SPREAD_S) if delivered else backoff.next())
