@@ -412,10 +412,10 @@ class ControlBench:
         self.cluster.restart(leader, master=True)
         self._renice()
         wait_for(lambda: (self._status(dead) or {}).get("leader"), 60, "the restarted master to rejoin")
-        # the restarted master holds no watchers yet: spread them again, as new clients would over
-        # time, so that the next failover moves about its share
+        # the restarted master holds no watchers yet: a third of them moves to it, as new clients
+        # would over time, so that the next failover moves about its share
         for p in self.watcher_procs:
-            p.ask("rebalance", 3.0)
+            p.ask("rebalance", (dead, 3.0))
         time.sleep(3.5)
         wait_for(lambda: sum(p.ask("attached") for p in self.watcher_procs) == self.c.watchers, 60,
                  "the watchers to settle after rebalancing")

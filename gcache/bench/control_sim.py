@@ -197,8 +197,8 @@ class Watchers:
         self.calls: list[Any] = [None] * count
         self.move_to: list[str | None] = [None] * count  # rebalance: the master to attach to next
 
-    def _move(self, i: int) -> None:
-        self.move_to[i] = random.choice(self.masters)
+    def _move(self, i: int, to: str) -> None:
+        self.move_to[i] = to
         call = self.calls[i]
         if call is not None:
             call.cancel()
@@ -253,10 +253,12 @@ class Watchers:
                 if a is not None:
                     out[a] = out.get(a, 0) + 1
             return out
-        if cmd == "rebalance":  # every watcher moves to a random master within arg seconds (new clients would)
+        if cmd == "rebalance":  # arg: (master, seconds): its share of the watchers moves to it (new clients would)
+            to, seconds = arg
             loop = asyncio.get_running_loop()
             for i in range(self.count):
-                loop.call_later(random.uniform(0, arg), self._move, i)
+                if self.attached[i] != to and random.random() < 1 / len(self.masters):
+                    loop.call_later(random.uniform(0, seconds), self._move, i, to)
             return None
         if cmd == "reattach":  # arg: (dead master, kill time)
             dead, t_kill = arg
