@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -442,6 +443,27 @@ class ControlBench:
             return True
         except BenchError:
             return False
+
+
+MIN_AVAILABLE_MB = 2048  # the bench stops itself below this much available memory (a shared machine)
+
+
+def mem_available_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) >> 10
+    return 1 << 30
+
+
+def memory_watchdog(stop: threading.Event, log: Any) -> None:
+    """SIGTERM this process (the command's handler unwinds through run()'s cleanup) when the machine runs
+    low on memory: the simulated clients' memory has run away under overload (several GB each)."""
+    while not stop.wait(1.0):
+        if mem_available_mb() < MIN_AVAILABLE_MB:
+            log(f"  stopping: under {MIN_AVAILABLE_MB} MB of memory available")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
 
 
 def run(config: ControlConfig, log: Any = print) -> dict[str, Any]:

@@ -8,9 +8,10 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
-from gcache.bench.control import TARGETS, ControlConfig, run
+from gcache.bench.control import TARGETS, ControlConfig, memory_watchdog, run
 from gcache.bench.driver import BenchError
 from gcache.bench.records import machine_info, versions
 
@@ -63,6 +64,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    watchdog = threading.Event()
+    threading.Thread(target=memory_watchdog, args=(watchdog, print), name="memory-watchdog", daemon=True).start()
     try:
         base: dict[str, Any]
         if args.quick:
@@ -81,6 +84,8 @@ def run_cli(args: argparse.Namespace) -> int:
     except BenchError as exc:
         print(f"gcache bench control-plane: {exc}", file=sys.stderr)
         return 1
+    finally:
+        watchdog.set()
     md = table(records)
     print()
     print(md)
