@@ -85,12 +85,13 @@ class RaftGroup:
             autoTickPeriod=0.01,
             connectionRetryTime=0.5,
             leaderFallbackTimeout=leader_fallback_s,
-            # A link on which this side sent and heard nothing back for this long is dropped and
-            # reconnected (a partitioned or stopped peer; after a heal, a new connection beats
-            # TCP's retransmission backoff). Quiet links are not dropped: followers exchange
-            # nothing until an election (gcache.meta.raft_guard counts the silence from the first
-            # send). Idle dead peers are found by TCP keepalive (5 s) and by reset connections.
-            connectionTimeout=3.0,
+            # A link that was busy but heard nothing back for this long is dropped and reconnected.
+            # Quiet links are not dropped: followers exchange nothing until an election, and the
+            # first vote request after a quiet spell used to close the link instead of going out
+            # (gcache.meta.raft_guard counts the silence from the first event after a quiet
+            # spell). Long, so that a peer stalled by a loaded machine is not cut off; dead peers
+            # are found by TCP keepalive (5 s) and by reset connections.
+            connectionTimeout=30.0,
             tcp_keepalive=(2, 1, 3),
             dynamicMembershipChange=False,
             logCompactionMinEntries=2000,

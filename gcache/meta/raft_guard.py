@@ -12,12 +12,14 @@ cluster token) *and* carried the random key this side chose for the connection, 
 first message does not earn trust. After that, pysyncobj behaves exactly as before.
 
 The same class fixes pysyncobj's idle-link timeout: a connection is closed when nothing was
-*read* for ``connectionTimeout``, checked only when something is *sent*. Two followers send each
+*read* for ``connectionTimeout``, checked when something is sent. Two followers send each
 other nothing until an election, so the first vote request after a quiet spell longer than the
 timeout closed the link instead of going out, and that failover took a second election round
 (0.4-0.5 s instead of 0.15-0.3 s: the first failover of every long-running group).
-``GuardedConnection`` counts the silence from the first send after an idle spell instead, so a
-peer that answers nothing to what it was sent still times out, and a quiet link does not.
+The check also runs on each poll event, *before* the data that arrived is read, so the receiving
+side of that vote request closed the link too. ``GuardedConnection`` counts the silence from the
+first send or event after a quiet spell instead, so a peer that answers nothing to what it is
+sent still times out, and a quiet link does not.
 
 pysyncobj 0.3.17 creates its connections from module-level ``TcpConnection`` names in
 ``pysyncobj.tcp_server`` and ``pysyncobj.transport``; ``install()`` points both at this class.
@@ -68,15 +70,15 @@ class GuardedConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj is un
                 pending.pop(id(oldest), None)
             pending[id(self)] = self
 
-    _last_send = 0.0  # monotonic time of the last send (pysyncobj's check runs on every send)
+    _last_event = 0.0  # monotonic time of the last check (pysyncobj checks at every send and poll event)
 
     def _TcpConnection__processConnectionTimeout(self) -> None:
         now = time.monotonic()  # pysyncobj's monotonicTime is time.monotonic
-        if now - self._last_send > self._TcpConnection__timeout:
-            # nothing was sent for longer than the timeout: silence from the peer proves nothing
-            # (an idle follower-to-follower link); count it from this send on
+        if now - self._last_event > self._TcpConnection__timeout:
+            # nothing happened on this link for longer than the timeout (an idle follower-to-
+            # follower link): silence from the peer proves nothing; count it from now on
             self._TcpConnection__lastReadTime = now
-        self._last_send = now
+        self._last_event = now
         TcpConnection._TcpConnection__processConnectionTimeout(self)
 
     def _settle(self) -> None:
