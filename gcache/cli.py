@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_arguments(d, with_port=False)
     d.set_defaults(fn=daemon.run)
 
-    from gcache.meta import master
+    from gcache import masterd as master
 
     m = sub.add_parser("master", help="run one master of the Raft-replicated membership group")
     master.add_arguments(m)

@@ -323,6 +323,21 @@ def test_wrong_token_is_refused_and_the_cluster_is_unaffected(ha):
     assert "cluster token" in logs
 
 
+def daemons_know(c, epoch):
+    """Whether every daemon of ``c`` is at ``epoch`` (its replies carry the epoch it holds)."""
+    for d in c.daemons:
+        conn = open_connection(d.node_id, d.address, 2.0, c.token)
+        try:
+            deadline = time.monotonic() + 2
+            conn.send(P.Op.STATS, {}, [], deadline, 2.0)
+            meta, _ = conn.recv_reply(deadline)
+        finally:
+            conn.close()
+        if meta.get("ep", -1) < epoch:
+            return False
+    return True
+
+
 def test_master_outage_alone_fences_nobody(tmp_path):
     """Issue 16 item 4, the other case: with every master gone nobody can change the
     membership, so the daemons confirm the outage with each other and keep serving under the
@@ -333,6 +348,13 @@ def test_master_outage_alone_fences_nobody(tmp_path):
         keys = [f"k{i}" for i in range(100)]
         with Client(c.master_url, token=c.token, timeout_s=1.0) as cl:  # any error raises
             assert all(s is Status.OK for s in cl.put(keys, [k.encode() for k in keys]))
+            # the outage starts once the join has settled: a daemon that has not yet heard the
+            # last epoch (the handover closing) rightly fences when a peer knows a newer one
+            mc = master_client(c)
+            try:
+                assert poll(lambda: (m := mc.membership())["transition"] is None and daemons_know(c, m["epoch"]), 10)
+            finally:
+                mc.close()
             c.kill(0, master=True)
             t0, reads = time.monotonic(), 0
             while time.monotonic() - t0 < 3 * fence_after:

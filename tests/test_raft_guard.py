@@ -50,6 +50,15 @@ def master(tmp_path_factory):
     c.stop()
 
 
+def core_pid(c: LocalCluster) -> int:
+    """The process that owns the Raft port (the master's core, gcache.meta.core)."""
+    mc = MasterClient(c.master_url, c.token, timeout_s=5.0)
+    try:
+        return int(mc.call("Status", {})["master"]["core_pid"])
+    finally:
+        mc.close()
+
+
 def raft_address(c: LocalCluster) -> str:
     args = c.master_procs[0].args
     return args[args.index("--raft") + 1]
@@ -66,7 +75,7 @@ def still_serves(c: LocalCluster) -> bool:
 
 @pytest.mark.parametrize("head", [b"", struct.pack("i", 0x7FFFFFFF)], ids=["zeros", "huge-length"])
 def test_unauthenticated_stream_is_not_buffered(master, head):
-    pid = master.master_procs[0].pid
+    pid = core_pid(master)
     time.sleep(0.5)  # let start-up allocations settle before taking the baseline
     before = peak_rss(pid)
     stream(raft_address(master), head, 104 * MiB)
@@ -107,3 +116,30 @@ def test_unauthenticated_connections_cannot_pile_up(master):
     finally:
         for s in socks:
             s.close()
+
+
+def test_an_idle_peer_link_survives_its_first_send_and_a_silent_peer_still_times_out():
+    """pysyncobj closed a link on the first send after a quiet spell longer than its timeout
+    (two followers are quiet until an election, so the first vote request was lost and the
+    failover took a second round); a peer that answers nothing to what it is sent still times out."""
+    from pysyncobj.poller import createPoller
+    from pysyncobj.tcp_connection import CONNECTION_STATE
+
+    from gcache.meta.raft_guard import GuardedConnection
+
+    ours, theirs = socket.socketpair()
+    conn = GuardedConnection(createPoller("select"), socket=ours, timeout=0.3)
+    try:
+        time.sleep(0.5)  # quiet both ways for longer than the timeout
+        conn.send({"vote": 1})
+        assert conn.state == CONNECTION_STATE.CONNECTED
+        theirs.settimeout(2)
+        assert len(theirs.recv(4096)) > 4  # the message went out
+        deadline = time.monotonic() + 5
+        while conn.state == CONNECTION_STATE.CONNECTED and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conn.send({"append": 1})  # sent on and on, never answered
+        assert conn.state == CONNECTION_STATE.DISCONNECTED
+    finally:
+        conn.disconnect()
+        theirs.close()

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from gcache.bench import gpu_check, store_ops, swa_capacity, ucx_check
+from gcache.bench import control_report, gpu_check, store_ops, swa_capacity, ucx_check
 from gcache.tier.eviction import EvictionKind
 
 
@@ -125,6 +125,8 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
                   "raw TCP ceilings"), ucx_check.add_arguments, "gcache.bench.ucx_check"),
     "gpu-check": (("CUDA tensors through the pinned staging pool beside the device->host copy bandwidth "
                   "(needs a CUDA GPU)"), gpu_check.add_arguments, "gcache.bench.gpu_check"),
+    "control-plane": (("real masters under simulated daemons and clients: bootstrap, propagation, heartbeats, "
+                      "false DOWN, leader failover"), control_report.add_arguments, "gcache.bench.control_report"),
 }
 
 

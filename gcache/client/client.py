@@ -89,13 +89,17 @@ class Client:
         self._fanout = Fanout(self._pool, cfg.timeout_s, cfg.split_bytes, cfg.split_keys, lambda: self._view,
                               self.refresh_membership, rate_limited(0.05))
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
-            self._watcher = MembershipWatcher(MasterClient(nodes, cfg.token), self.update_membership)
-            first = self._watcher.refresh()
-            if first is None:
+            # one round trip: the watch stream's first message is the whole membership
+            masters = MasterClient(nodes, cfg.token, timeout_s=cfg.connect_timeout_s * 2)
+            self._watcher = MembershipWatcher(masters, self.update_membership).start()
+            if not self._watcher.wait_first(self._watcher.attempt_timeout_s * len(masters.addresses) + 1.0):
+                err = self._watcher.error
                 self._watcher.stop()
+                self._watcher = None
+                self._pool.close()
+                if isinstance(err, GCacheError):
+                    raise err
                 raise ConfigError(f"no master at {nodes} answered")
-            self.update_membership(first)
-            self._watcher.start()
         else:
             membership = nodes if isinstance(nodes, Membership) else Membership.from_addresses(
                 [nodes] if isinstance(nodes, str) else nodes)

@@ -5,6 +5,7 @@ stream, and on demand when a daemon's reply carries a newer epoch."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -14,11 +15,16 @@ from typing import Any
 import grpc
 
 from gcache.errors import ConfigError, GCacheError
-from gcache.meta.master_client import MasterClient
+from gcache.meta import delta
+from gcache.meta.master_client import AuthFailed, Backoff, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 
 log = logging.getLogger(__name__)
+# After a stream that worked breaks (its master died), wait uniform(0, this) before re-attaching:
+# every client of that master is re-attaching at the same moment, and a spread-out arrival is
+# served at once where a burst queues. The client keeps routing by what it holds meanwhile.
+REATTACH_SPREAD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,38 +56,98 @@ class RoutingView:
 
 
 class MembershipWatcher:
-    """Follows the masters' WatchMembership stream in a thread, calling ``on_update``."""
+    """Follows one master's WatchMembership stream in a thread, calling ``on_update``.
 
-    def __init__(self, masters: MasterClient, on_update: Callable[[Membership], None]) -> None:
+    The stream's first message is the whole membership, so a client is usable after one round
+    trip (``wait_first``). Masters are tried in a random order; after a stream breaks (its
+    master died) or an attempt fails, the next master is tried after a jittered, growing pause.
+    An attempt that brings no membership within ``attempt_timeout_s`` (a master that accepts
+    but does not answer) is abandoned for the next master."""
+
+    def __init__(self, masters: MasterClient, on_update: Callable[[Membership], None],
+                 attempt_timeout_s: float = 1.0) -> None:
         self.masters = masters
         self.on_update = on_update
+        self.attempt_timeout_s = attempt_timeout_s
+        self.error: GCacheError | None = None  # why the last attempt failed (AuthFailed: a wrong token)
+        self.attaches = 0  # streams that delivered a membership
+        self.known = -1  # epoch of the last membership delivered
+        self._held: dict[str, Any] | None = None  # that membership as the master sent it (deltas apply to it)
+        self._first = threading.Event()
         self._stop = threading.Event()
-        self._calls: list[Any] = []
+        self._call: Any = None
         self._thread = threading.Thread(target=self._run, name="gcache-watch", daemon=True)
 
     def start(self) -> MembershipWatcher:
         self._thread.start()
         return self
 
+    def wait_first(self, timeout_s: float) -> bool:
+        """Wait until the first membership has been taken in; False (see ``error``) when the
+        deadline passed or an attempt failed on the token or on a membership it cannot use."""
+        self._first.wait(timeout_s)
+        return self.attaches > 0
+
     def _run(self) -> None:
+        order = self.masters.shuffled()
+        backoff = Backoff()
         i = 0
         while not self._stop.is_set():
-            address = self.masters.addresses[i % len(self.masters.addresses)]
-            try:
-                call = self.masters.watch(address)
-                self._calls = [call]
-                for m in call:
-                    self.on_update(Membership.from_master(m))
-                    if self._stop.is_set():
-                        return
-            except grpc.RpcError as exc:
-                if self._stop.is_set():
-                    return
-                log.debug("watch on %s ended: %s", address, exc.code())
-            except GCacheError as exc:
-                log.warning("bad membership from %s: %s", address, exc)
+            address = order[i % len(order)]
             i += 1
-            self._stop.wait(0.2)
+            if self._attempt(address):
+                backoff.reset()
+                wait = random.uniform(0, REATTACH_SPREAD_S)
+            else:
+                wait = backoff.next()
+            if self._stop.wait(wait):
+                return
+
+    def _attempt(self, address: str) -> bool:
+        """One stream, until it breaks; True if it delivered at least one membership."""
+        got = False
+        try:
+            call = self.masters.watch(address, self.known)
+        except ValueError as exc:  # the channel was closed under us (stop)
+            log.debug("watch on %s not started: %s", address, exc)
+            return False
+        self._call = call
+        timer = threading.Timer(self.attempt_timeout_s, lambda: got or call.cancel())
+        timer.daemon = True
+        timer.start()
+        try:
+            for m in call:
+                timer.cancel()
+                if "delta" in m:
+                    if self._held is None or self._held["epoch"] != m["delta"]:
+                        raise GCacheError(f"a delta from epoch {m['delta']} but this client holds {self.known}")
+                    m = delta.apply(self._held, m)
+                if not m.get("unchanged"):
+                    membership = Membership.from_master(m)
+                    self.on_update(membership)
+                    self._held, self.known = m, membership.epoch
+                if not got:
+                    got = True
+                    self.attaches += 1
+                self.error = None
+                self._first.set()
+                if self._stop.is_set():
+                    break
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self.error = AuthFailed(f"master {address} refused the cluster token: {exc.details()}")
+                self._first.set()
+            elif not self._stop.is_set():
+                log.debug("watch on %s ended: %s", address, exc.code())
+        except (GCacheError, ValueError, KeyError) as exc:
+            log.warning("unusable membership from %s: %s", address, exc)
+            self.known, self._held = -1, None  # the next attempt asks for the whole membership
+            self.error = exc if isinstance(exc, GCacheError) else GCacheError(str(exc))
+            self._first.set()
+            call.cancel()
+        finally:
+            timer.cancel()
+        return got
 
     def refresh(self) -> Membership | None:
         """Fetch the membership now (None if no master answers)."""
@@ -93,7 +159,8 @@ class MembershipWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        for call in self._calls:
+        call = self._call
+        if call is not None:
             call.cancel()
         self._thread.join(timeout=2)
         self.masters.close()

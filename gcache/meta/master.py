@@ -4,29 +4,53 @@ It only learns who is alive and publishes the membership epoch; it is never on t
 Any master answers reads; writes are Raft proposals, which pysyncobj forwards to the leader.
 Daemons heartbeat every master; only the leader's failure detector turns silence into
 SUSPECT / DOWN (a new leader first gives every node a full grace period).
+
+A master is two processes. This one, the front, serves gRPC on one asyncio event loop
+(grpc.aio): a watch stream is a coroutine parked on the membership feed, not a thread, so one
+master holds thousands of them, and the membership is encoded once per epoch and the same bytes
+go to every watcher (gcache.meta.feed). The core (gcache.meta.core), a child process, runs Raft,
+the node table, the failure detector and the UDP heartbeat listener, so that no fan-out or
+reconnect storm here can delay Raft's timers or a heartbeat; the front also runs at a lower CPU
+priority than the core (FRONT_NICE), so on a busy machine the core is scheduled first.
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import itertools
 import logging
-import sys
-import threading
-import time
-from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass
+import multiprocessing as mp
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gcache.errors import ConfigError
 from gcache.meta import rpc
-from gcache.meta.nodetable import COMMAND_VERSION, OWNING, NodeTable
-from gcache.meta.raft import ProposalFailed, RaftGroup
-from gcache.process import stop_on_signals, write_ready
+from gcache.meta.core import core_main
+from gcache.meta.feed import FanOut, MembershipFeed
 
 log = logging.getLogger("gcache.master")
+
+
+FRONT_NICE = 5  # the front runs this much below the core: a client storm must not starve Raft
+
+
+def lower_own_priority(by: int) -> None:
+    """Add ``by`` to the nice value of every thread of this process (Linux priorities are per
+    thread; threads started later inherit their creator's)."""
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + by))
+        except OSError:  # the thread has exited
+            pass
+
+
+class CoreGone(Exception):
+    """The core process exited: this master cannot serve."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,7 @@ class MasterConfig:
     token: str
     suspect_after_s: float = 2.0
     down_after_s: float = 3.0
+    fan_out: FanOut = field(default_factory=FanOut)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -50,41 +75,27 @@ class MasterConfig:
             raise ConfigError("--peers must list 1, 3 or 5 Raft addresses, this master's --raft among them")
 
 
-class _Guarded:
-    """The node table behind a condition: Raft applies under it, readers wait on it."""
-
-    def __init__(self, table: NodeTable, cond: threading.Condition) -> None:
-        self.table, self.cond = table, cond
-
-    def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        with self.cond:
-            out = self.table.apply(cmd)
-            self.cond.notify_all()
-            return out
-
-    def snapshot(self) -> bytes:
-        with self.cond:
-            return self.table.snapshot()
-
-    def restore(self, blob: bytes) -> None:
-        with self.cond:
-            self.table.restore(blob)
-            self.cond.notify_all()
-
-
 class Master:
-    def __init__(self, config: MasterConfig) -> None:
-        self.config = config
-        self.table = NodeTable()
-        self.cond = threading.Condition()
-        self.raft = RaftGroup(config.raft, list(config.peers), config.token, _Guarded(self.table, self.cond))
-        # node -> (incarnation, when this master last heard from it). A new incarnation starts a
-        # fresh grace period even on masters that did not handle its Register.
-        self._last_seen: dict[str, tuple[int, float]] = {}
-        self._stop = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="master-rpc"),
-                                  options=rpc.CHANNEL_OPTIONS)
-        tok = config.token
+    """Build it, then ``await start()`` on the loop that will serve it."""
+
+    def __init__(self, config: MasterConfig, name: str = "master", log_level: str = "INFO") -> None:
+        self.config, self.name, self.log_level = config, name, log_level
+        self.feed = MembershipFeed(config.fan_out)
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.core_pid = -1
+        self.gone = asyncio.Event()  # the core exited
+        self._conn: Any = None
+        self._proc: Any = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> Master:
+        loop = self._loop = asyncio.get_running_loop()
+        self.server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+        tok = self.config.token
         handlers = {
             "Register": rpc.unary(tok, self.register),
             "Heartbeat": rpc.unary(tok, self.heartbeat),
@@ -95,171 +106,182 @@ class Master:
             "Status": rpc.unary(tok, self.status),
         }
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE, handlers),))
-        host, _, port = config.listen.rpartition(":")
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        host, _, port = self.config.listen.rpartition(":")
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise ConfigError(f"cannot listen on {config.listen}")
+            raise ConfigError(f"cannot listen on {self.config.listen}")
         self.address = f"{host}:{bound}"
-        self._detector = threading.Thread(target=self._detect_loop, name="failure-detector", daemon=True)
-
-    def start(self) -> Master:
-        self.server.start()
-        self._detector.start()
+        # the core: Raft, the table, heartbeats on UDP at the same port number
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=core_main, name=f"gcache-master-core[{self.name}]",
+                                 args=(child, self.config, (host, bound), self.log_level, self.name))
+        self._proc.start()
+        child.close()
+        self.core_pid = self._proc.pid
+        lower_own_priority(FRONT_NICE)  # the core keeps the priority we started with
+        first = await loop.run_in_executor(None, self._first_message)
+        if first[0] != "ready":
+            raise ConfigError(f"the master's core did not start: {first[1]}")
+        loop.add_reader(self._conn.fileno(), self._on_link)
+        await asyncio.wait_for(self.feed.at_least(0, timeout_s=30.0), 31.0)
+        await self.server.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        with self.cond:
-            self.cond.notify_all()
-        self.server.stop(grace=0.5)
-        self.raft.close()
+    def _first_message(self) -> tuple[Any, ...]:
+        if not self._conn.poll(60):
+            return ("failed", "no answer within 60 s")
+        try:
+            first: tuple[Any, ...] = self._conn.recv()
+            return first
+        except EOFError:
+            return ("failed", f"it exited with {self._proc.exitcode} (see the log above)")
+
+    def _on_link(self) -> None:
+        try:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "membership":
+                    self.feed.offer(msg[1], msg[2])
+                elif msg[0] == "reply":
+                    fut = self._waiting.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((msg[2], msg[3]))
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self._conn.fileno())
+            if not self._stopping:
+                log.critical("the master's core process exited; stopping")
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(CoreGone())
+            self.gone.set()
+
+    async def _ask(self, op: str, *args: Any, timeout_s: float = 10.0) -> tuple[bool, Any]:
+        if self.gone.is_set():
+            raise CoreGone()
+        req_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[req_id] = fut
+        self._conn.send((op, req_id, *args))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._waiting.pop(req_id, None)
+
+    @property
+    def serving(self) -> bool:
+        """The front serves and its core runs (for the liveness probe)."""
+        return self._loop is not None and not self._stopping and not self.gone.is_set()
+
+    def health(self, timeout_s: float = 2.0) -> dict[str, Any]:
+        """From any thread but the loop's (the metrics/health server): the core's Raft status,
+        epoch and node counts by state. Raises CoreGone or TimeoutError when it does not answer."""
+        if self._loop is None:
+            raise CoreGone()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: the expected case
+            running = None
+        if running is self._loop:
+            raise RuntimeError("Master.health() blocks: call it from another thread than the loop's")
+        fut = asyncio.run_coroutine_threadsafe(self._ask("health", timeout_s=timeout_s), self._loop)
+        _ok, value = fut.result(timeout_s + 1.0)
+        return dict(value)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+        if self._conn is not None and not self.gone.is_set():
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+        if self._proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.kill()
 
     # -- RPCs -------------------------------------------------------------------------------
-    def _propose(self, cmd: dict[str, Any], context: grpc.ServicerContext) -> dict[str, Any]:
+    async def _propose(self, cmd: dict[str, Any], context: Any, timeout_s: float = 3.0) -> dict[str, Any]:
         try:
-            return self.raft.propose({"v": COMMAND_VERSION, **cmd}, timeout_s=3.0)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ProposalFailed as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"no Raft leader: {exc}")
+            ok, value = await self._ask("propose", cmd, timeout_s, timeout_s=timeout_s + 2.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
+        if ok:
+            result: dict[str, Any] = value
+            return result
+        kind, message = value
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION if kind == "refused"
+                            else grpc.StatusCode.UNAVAILABLE, message)
         raise AssertionError("unreachable")
 
-    def register(self, req: dict, context: grpc.ServicerContext) -> dict:
-        out = self._propose({"op": "register", "node": str(req["node"]), "address": str(req["address"]),
-                             "capacity": int(req["capacity"])}, context)
-        self._last_seen[str(req["node"])] = (int(out["inc"]), time.monotonic())
-        log.info("registered %s at %s (incarnation %d, epoch %d)", req["node"], req["address"], out["inc"],
-                 out["epoch"])
-        return {**out, "membership": self._membership(at_least=out["epoch"])}
+    async def register(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        node = str(req["node"])
+        out = await self._propose({"op": "register", "node": node, "address": str(req["address"]),
+                                   "capacity": int(req["capacity"])}, context)
+        log.info("registered %s at %s (incarnation %d, epoch %d)", node, req["address"], out["inc"], out["epoch"])
+        snap = await self.feed.at_least(int(out["epoch"]), timeout_s=2.0)
+        return {**out, "membership": rpc.unpack(snap.encoded)}
 
-    def heartbeat(self, req: dict, context: grpc.ServicerContext) -> dict:
-        node, inc = str(req["node"]), int(req["inc"])
-        with self.cond:
-            rec = self.table.nodes.get(node)
-            epoch = self.table.epoch
-            t = self.table.transition
-            pending = t is not None and node in t["pending"]
-        if rec is None or rec["inc"] != inc or rec["state"] == "down":
-            why = "unknown node" if rec is None else (
-                "stale incarnation" if rec["inc"] != inc else "declared down")
-            return {"ok": False, "reason": why, "epoch": epoch, "leader": self.raft.is_leader}
-        self._last_seen[node] = (inc, time.monotonic())
-        # "leader": only the leader's failure detector declares nodes DOWN, so a daemon's
-        # membership lease is an acknowledgement from the leader (gcache.server.lease)
-        return {"ok": True, "epoch": epoch, "state": rec["state"], "handover_pending": pending,
-                "leader": self.raft.is_leader}
+    async def heartbeat(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        """The RPC path (daemons use UDP, gcache.meta.beat); answered by the core."""
+        req = {"node": str(req["node"]), "inc": int(req["inc"])}
+        try:
+            _ok, value = await self._ask("heartbeat", req, timeout_s=2.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master is stopping")
+        reply: dict[str, Any] = value
+        return reply
 
-    def _membership(self, at_least: int = 0) -> dict:
-        """The local table's membership, once it has applied epoch ``at_least`` (a follower
-        applies a command shortly after the leader has committed it)."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.table.epoch >= at_least, timeout=2.0)
-            return self.table.membership()
+    async def get_membership(self, req: dict[str, Any], context: Any) -> bytes:
+        return self.feed.current.encoded
 
-    def get_membership(self, req: dict, context: grpc.ServicerContext) -> dict:
-        return self._membership()
+    async def watch_membership(self, req: dict[str, Any], context: Any) -> AsyncIterator[bytes]:
+        """The membership now, then at every epoch change: the delta from the previous epoch
+        (gcache.meta.delta) when the watcher holds it, else the whole membership. A watcher
+        re-attaching with the current epoch (``known``) first gets just ``{"epoch", "unchanged":
+        true}``: after a master fails, thousands re-attach at once. Liveness: HTTP/2 keepalive."""
+        known = req.get("known", -1)
+        self.feed.watchers += 1
+        try:
+            snap = self.feed.current
+            if isinstance(known, int) and known == snap.epoch and snap.unchanged:
+                yield snap.unchanged
+            else:
+                known = -1
+            while True:
+                snap = await self.feed.next_after(known)
+                out = snap.delta if known == snap.base and snap.delta else snap.encoded
+                known = snap.epoch
+                yield out
+        finally:
+            self.feed.watchers -= 1
 
-    def watch_membership(self, req: dict, context: grpc.ServicerContext) -> Iterator[dict]:
-        """Stream the membership now and at every epoch change (and every 5 s as a keep-alive)."""
-        known = -1
-        while context.is_active() and not self._stop.is_set():
-            with self.cond:
-                if self.table.epoch == known:
-                    self.cond.wait(timeout=5.0)
-                m = self.table.membership()
-            known = m["epoch"]
-            yield m
-
-    def drain(self, req: dict, context: grpc.ServicerContext) -> dict:
-        out = self._propose({"op": "drain", "node": str(req["node"])}, context)
+    async def drain(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        out = await self._propose({"op": "drain", "node": str(req["node"])}, context)
         log.info("draining %s (epoch %d)", req["node"], out["epoch"])
         return out
 
-    def handover_done(self, req: dict, context: grpc.ServicerContext) -> dict:
-        return self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
-                             context)
+    async def handover_done(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        return await self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
+                                   context)
 
-    def status(self, req: dict, context: grpc.ServicerContext) -> dict:
-        now = time.monotonic()
-        return {"master": {"grpc": self.address, **self.raft.status()}, "membership": self._membership(),
-                "heartbeat_age_s": {n: round(now - t, 3) for n, (_inc, t) in self._last_seen.items()}}
-
-    # -- failure detection (leader only) ----------------------------------------------------
-    def _detect_loop(self) -> None:
-        leader_since: float | None = None
-        while not self._stop.wait(0.1):
-            if not self.raft.is_leader:
-                leader_since = None
-                continue
-            now = time.monotonic()
-            if leader_since is None:
-                leader_since = now
-                log.info("became Raft leader; failure detection starts with a full grace period")
-            with self.cond:
-                nodes = [(n, r["inc"], r["state"]) for n, r in self.table.nodes.items()]
-            for node, inc, state in nodes:
-                if state not in OWNING:
-                    continue
-                seen = self._last_seen.get(node)
-                if seen is None or seen[0] != inc:  # an incarnation this master has not heard from
-                    self._last_seen[node] = (inc, now)  # yet: it gets a full grace period
-                    continue
-                age = now - max(seen[1], leader_since)
-                target = ("down" if age > self.config.down_after_s
-                          else "suspect" if age > self.config.suspect_after_s else "up")
-                if target != state:
-                    try:
-                        self.raft.propose({"v": COMMAND_VERSION, "op": "set_state", "node": node, "inc": inc,
-                                           "state": target}, timeout_s=1.0)
-                        log.warning("node %s is %s (no heartbeat for %.1fs)", node, target.upper(), age)
-                    except (ValueError, ProposalFailed) as exc:
-                        log.warning("could not mark %s %s: %s", node, target, exc)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--id", default=None, help="master id, for logs (default: the --raft address)")
-    p.add_argument("--listen", default="127.0.0.1:7300", help="gRPC HOST:PORT (default %(default)s)")
-    p.add_argument("--raft", required=True, help="this master's Raft HOST:PORT")
-    p.add_argument("--peers", required=True,
-                   help="comma-separated Raft HOST:PORT of every master (1, 3 or 5), this one included")
-    p.add_argument("--token-file", default=None, help="file holding the cluster token (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)")
-    p.add_argument("--suspect-after", type=float, default=2.0, help="heartbeat silence before SUSPECT (s)")
-    p.add_argument("--down-after", type=float, default=3.0, help="heartbeat silence before DOWN (s)")
-    p.add_argument("--ready-file", default=None, help="write the gRPC HOST:PORT here once serving")
-    p.add_argument("--log-level", default="INFO")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s master[{args.id or args.raft}] %(levelname)s %(message)s")
-    try:
-        config = MasterConfig(listen=args.listen, raft=args.raft,
-                              peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
-                              token=rpc.load_token(args.token_file) or "",
-                              suspect_after_s=args.suspect_after, down_after_s=args.down_after)
-        master = Master(config).start()
-    except (ConfigError, OSError) as exc:
-        print(f"gcache master: {exc}", file=sys.stderr)
-        return 2
-    stop = stop_on_signals()
-    print(f"gcache master listening on {master.address} raft={config.raft}", flush=True)
-    health = None
-    if getattr(args, "metrics_port", None) is not None:  # /metrics, /healthz, /readyz (gcache.ops.health)
-        from gcache.ops.health import serve_master
-
+    async def status(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        """This master's Raft view, the membership and heartbeat ages; with ``brief`` only the
+        first (no per-node rows: cheap enough to poll during a failover)."""
+        brief = bool(req.get("brief"))
         try:
-            health = serve_master(master, args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            print(f"gcache master: metrics port: {exc}", file=sys.stderr)
-            master.stop()
-            return 2
-        print(f"gcache master metrics on http://{health.address}/metrics", flush=True)
-        if args.ready_file:
-            write_ready(args.ready_file + ".metrics", health.address)
-    if args.ready_file:
-        write_ready(args.ready_file, master.address)
-    stop.wait()
-    if health is not None:
-        health.stop()
-    master.stop()
-    return 0
+            _ok, core = await self._ask("health" if brief else "status", timeout_s=5.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master's core does not answer")
+        if brief:
+            return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
+                               "epoch": core["epoch"], "core_pid": self.core_pid}}
+        return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
+                           "epochs_published": self.feed.published, "udp_heartbeats": core["udp_heartbeats"],
+                           "core_pid": self.core_pid},
+                "membership": core["membership"], "heartbeat_age_s": core["heartbeat_age_s"]}

@@ -1,10 +1,13 @@
 """Client of the master group, used by daemons (register, heartbeat, handover) and clients
-(membership). Tries the masters in turn; a wrong token fails at once with a clear error."""
+(membership). Starts at a random master (so a fleet spreads over the group) and tries the others
+in turn; a wrong token fails at once with a clear error. Heartbeats go to every master as UDP
+datagrams (gcache.meta.beat); a master that has not answered one within half the deadline gets
+the Heartbeat RPC instead, so a network that drops UDP costs latency, not membership."""
 
 from __future__ import annotations
 
+import random
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -12,6 +15,7 @@ import grpc
 from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
+from gcache.meta.beat import BeatClient
 
 
 class MasterUnavailable(GCacheError):
@@ -20,6 +24,23 @@ class MasterUnavailable(GCacheError):
 
 class AuthFailed(GCacheError):
     """The master refused the cluster token."""
+
+
+class Backoff:
+    """Exponential backoff with full jitter: the n-th wait is uniform in [0, min(cap, base * 2**n)],
+    so clients that lost the same master do not come back in lockstep."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0) -> None:
+        self.base_s, self.cap_s = base_s, cap_s
+        self.failures = 0
+
+    def next(self) -> float:
+        wait = random.uniform(0, min(self.cap_s, self.base_s * (2 ** self.failures)))
+        self.failures = min(self.failures + 1, 30)
+        return wait
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 def parse_masters(spec: str | list[str]) -> list[str]:
@@ -39,13 +60,14 @@ class MasterClient:
         self.token = token
         self.timeout_s = timeout_s
         self._channels = {a: grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in self.addresses}
-        self._preferred = 0
+        self._preferred = random.randrange(len(self.addresses))
         self._lock = threading.Lock()
+        self._beats = BeatClient(self.addresses, token) if token else None
 
     def _md(self) -> tuple[tuple[str, str], ...]:
         return ((rpc.TOKEN_HEADER, self.token),) if self.token else ()
 
-    def _method(self, address: str, name: str, streaming: bool = False):
+    def _method(self, address: str, name: str, streaming: bool = False) -> Any:
         ch = self._channels[address]
         path = f"/{rpc.SERVICE}/{name}"
         make = ch.unary_stream if streaming else ch.unary_unary
@@ -60,7 +82,7 @@ class MasterClient:
             idx = (self._preferred + i) % n
             address = self.addresses[idx]
             try:
-                out = self._method(address, name)(request, timeout=timeout, metadata=self._md())
+                out: dict[str, Any] = self._method(address, name)(request, timeout=timeout, metadata=self._md())
                 self._preferred = idx
                 return out
             except grpc.RpcError as exc:
@@ -72,10 +94,28 @@ class MasterClient:
                 errors.append(f"{address}: {code.name} {exc.details()}")
         raise MasterUnavailable("no master answered: " + "; ".join(errors))
 
-    def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
+    def call_all(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Call every master in parallel; the answers of those that replied."""
         timeout = timeout_s or self.timeout_s
-        futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in self.addresses]
+        if name == "Heartbeat" and self._beats is not None:
+            return self.heartbeat_all(request, timeout)
+        return self._call_all(name, request, timeout, self.addresses)
+
+    def heartbeat_all(self, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        """One heartbeat to every master: UDP first, the RPC for masters silent after half the
+        deadline. The replies of those that answered."""
+        assert self._beats is not None
+        replies, auth_error = self._beats.round(request, timeout_s / 2)
+        missing = [a for a in self.addresses if a not in replies]
+        out = list(replies.values())
+        if missing:
+            out += self._call_all("Heartbeat", request, timeout_s / 2, missing)
+        if auth_error and not out:
+            raise AuthFailed("the masters refused this cluster token (heartbeat)")
+        return out
+
+    def _call_all(self, name: str, request: dict[str, Any], timeout: float, addresses: list[str]) -> list[dict[str, Any]]:
+        futs = [self._method(a, name).future(request, timeout=timeout, metadata=self._md()) for a in addresses]
         out = []
         for f in futs:
             try:
@@ -85,9 +125,15 @@ class MasterClient:
                     raise AuthFailed(f"a master refused the cluster token: {exc.details()}") from None
         return out
 
-    def watch(self, address: str) -> Iterator[dict[str, Any]]:
-        """Memberships streamed by one master (raises grpc.RpcError when it goes away)."""
-        return self._method(address, "WatchMembership", streaming=True)({}, metadata=self._md())
+    def watch(self, address: str, known: int = -1) -> Any:
+        """Memberships streamed by one master: an iterator of dicts that raises grpc.RpcError
+        when the master goes away, and a grpc call (``cancel()``). With ``known`` (the epoch held
+        already) the first message may be ``{"epoch": known, "unchanged": True}``."""
+        return self._method(address, "WatchMembership", streaming=True)({"known": known}, metadata=self._md())
+
+    def shuffled(self) -> list[str]:
+        """The masters in a random order (each watcher starts somewhere else)."""
+        return random.sample(self.addresses, len(self.addresses))
 
     def membership(self) -> dict[str, Any]:
         return self.call("GetMembership", {})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gcache.errors import ConfigError
 from gcache.meta.ring import HashRing, RingParams
@@ -49,7 +50,7 @@ class Membership:
     previous_ring: RingParams | None = None
 
     @classmethod
-    def from_master(cls, m: dict) -> Membership:
+    def from_master(cls, m: dict[str, Any]) -> Membership:
         """From the master's published form (gcache.meta.nodetable.NodeTable.membership)."""
         nodes = tuple(Node(r["id"], r["address"], float(r["weight"]), NodeState(r["state"])) for r in m["nodes"])
         t = m.get("transition")

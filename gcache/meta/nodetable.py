@@ -8,7 +8,8 @@ observes into ``set_state`` commands.
 States: UP and SUSPECT nodes own ring ranges; DOWN and DRAINING nodes own none. A change that
 moves ranges away from live nodes (a join, a drain) opens a *transition*: the owners from before
 the change stay listed so clients can fall back to them on a miss, until every node that must
-hand keys over has reported ``handover_done`` for that epoch.
+hand keys over has reported ``handover_done`` for that epoch. The epoch moves with what clients
+route by (owners, their ring, the transition opening or closing), not with each node's report.
 
 The ring parameters (points per unit of weight) are part of the state too: refitted to the
 owners at every change, with hysteresis, and published with the membership (and with the
@@ -53,7 +54,8 @@ class NodeTable:
         fn = getattr(self, f"_cmd_{op}", None) if isinstance(op, str) else None
         if fn is None:
             raise CommandError(f"unknown command {op!r}")
-        return fn(cmd)
+        out: dict[str, Any] = fn(cmd)
+        return out
 
     def _cmd_register(self, cmd: dict[str, Any]) -> dict[str, Any]:
         node, address, capacity = cmd["node"], cmd["address"], int(cmd["capacity"])
@@ -99,12 +101,23 @@ class NodeTable:
         if t is None or cmd["epoch"] < t["epoch"] or node not in t["pending"]:
             return {"epoch": self.epoch, "closed": False}
         t["pending"].remove(node)
-        if self.nodes.get(node, {}).get("state") == "draining":
+        left = self.nodes.get(node, {}).get("state") == "draining"
+        if left:
             del self.nodes[node]  # drained: it leaves the cluster
         if not t["pending"]:
             self.transition = None
-        self.epoch += 1
+        # Only what clients route by moves the epoch: the transition closing, a node leaving. One
+        # more node done is not news to them (the node learns it from its heartbeat replies), so
+        # a join in a fleet of N nodes costs 2 epochs, not N.
+        if left or self.transition is None:
+            self.epoch += 1
         return {"epoch": self.epoch, "closed": self.transition is None}
+
+    def _cmd_handover_done_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Several nodes' reports in one command (a master batches them: after a join every node
+        reports, and one Raft entry per report would cost a large fleet dearly)."""
+        results = [self._cmd_handover_done(r) for r in cmd["reports"]]
+        return {"epoch": self.epoch, "results": results}
 
     def _cmd_remove(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self._get(cmd["node"])

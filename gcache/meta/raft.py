@@ -6,8 +6,8 @@ zlib(pickle), so the group always runs with a password (the cluster token: it en
 authenticates every Raft message) and an explicit bind address (never a wildcard), and reads
 from a peer that has not authenticated yet are bounded (gcache.meta.raft_guard).
 
-Timeouts follow FACTS.md: 150-300 ms elections, 30 ms append period and a 0.5 s reconnect,
-which gives sub-second leader failover; appendEntries batching is off for ~1 ms commits.
+Timeouts: 150-300 ms elections, 30 ms append period, 10 ms ticks and a 0.5 s reconnect, which
+gives sub-second leader failover; appendEntries batching is off for ~1 ms commits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pysyncobj.syncobj import SyncObjException
 from gcache.meta import raft_guard
 
 log = logging.getLogger(__name__)
+RAFT_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER, as passed to onStateChanged
+STATES = ("follower", "candidate", "leader")
 
 
 # A leader that has heard from no majority for this long steps down (pysyncobj's default is 30 s).
@@ -42,12 +44,12 @@ class ProposalFailed(Exception):
     """The command was not committed before the deadline (no leader, election in progress)."""
 
 
-class _Log(SyncObjConsumer):
+class _Log(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj is untyped
     def __init__(self, sm: StateMachine) -> None:
         self._sm = sm  # set before the base __init__ so it is not part of pysyncobj's snapshot
         super().__init__()
 
-    @replicated
+    @replicated  # type: ignore[untyped-decorator]
     def apply(self, blob: bytes) -> bytes:
         try:
             return msgpack.packb({"ok": self._sm.apply(msgpack.unpackb(blob))})
@@ -77,15 +79,32 @@ class RaftGroup:
             raftMinTimeout=election_timeout_s[0],
             raftMaxTimeout=election_timeout_s[1],
             appendEntriesPeriod=0.03,
+            # pysyncobj checks its election deadline once per tick (50 ms by default): with two
+            # followers that makes them stand in the same tick, split the vote and start over
+            # half the time; 10 ms ticks cost ~0.3% CPU
+            autoTickPeriod=0.01,
             connectionRetryTime=0.5,
             leaderFallbackTimeout=leader_fallback_s,
-            connectionTimeout=1.0,
+            # A link that was busy but heard nothing back for this long is dropped and reconnected.
+            # Quiet links are not dropped: followers exchange nothing until an election, and the
+            # first vote request after a quiet spell used to close the link instead of going out
+            # (gcache.meta.raft_guard counts the silence from the first event after a quiet
+            # spell). Long, so that a peer stalled by a loaded machine is not cut off; dead peers
+            # are found by TCP keepalive (5 s) and by reset connections.
+            connectionTimeout=30.0,
+            tcp_keepalive=(2, 1, 3),
             dynamicMembershipChange=False,
             logCompactionMinEntries=2000,
+            onStateChanged=self._state_changed,
         )
+        self.leader_since: float | None = None  # wall time this member last became leader
         self._log = _Log(sm)
         self._obj = SyncObj(self_addr, [p for p in peers if p != self_addr], conf, consumers=[self._log])
         self.self_addr = self_addr
+
+    def _state_changed(self, old: int, new: int) -> None:
+        self.leader_since = time.time() if new == RAFT_LEADER else None
+        log.debug("raft %s: %s -> %s", self.self_addr, STATES[old], STATES[new])
 
     @property
     def is_leader(self) -> bool:
@@ -99,7 +118,7 @@ class RaftGroup:
     def status(self) -> dict[str, Any]:
         st = self._obj.getStatus()
         return {"self": self.self_addr, "leader": self.leader, "is_leader": self.is_leader,
-                "term": st.get("raft_term"), "commit_idx": st.get("commit_idx")}
+                "term": st.get("raft_term"), "commit_idx": st.get("commit_idx"), "leader_since": self.leader_since}
 
     def propose(self, cmd: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
         """Commit ``cmd`` and return the state machine's result; retried through elections
@@ -119,7 +138,9 @@ class RaftGroup:
                 continue
             if "error" in out:
                 raise ValueError(out["error"])
-            return out["ok"]
+            result: dict[str, Any] = out["ok"]
+            return result
 
     def close(self) -> None:
         self._obj.destroy()
+

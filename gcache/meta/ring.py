@@ -62,7 +62,8 @@ def xxh3_16(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         acc ^= acc >> _U64(37)
         acc *= _PRIME_MX1
         acc ^= acc >> _U64(32)
-    return acc
+    out: np.ndarray = acc
+    return out
 
 
 @dataclass(frozen=True)

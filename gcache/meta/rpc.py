@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -26,7 +26,20 @@ MAX_MSG = 64 << 20
 # down after a one-second network blip.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive_message_length", MAX_MSG),
                    ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000),
+                   # a watch on a master that stopped answering (SIGSTOP, a dead host) fails within ~12 s
+                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 2_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive_message_length", MAX_MSG),
+                  # grpc cancels calls that arrive while more than 1,000 wait for the server to take
+                  # them: a burst of reconnecting watchers (a master failed) is far more than that
+                  ("grpc.server.max_pending_requests", 1 << 20),
+                  ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+                  ("grpc.max_concurrent_streams", 1 << 20),
+                  # clients' keepalive pings are welcome (the default answers them with GOAWAY)
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                  ("grpc.http2.max_ping_strikes", 0),
+                  ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)  # refusals are the caller's doing: a flood of them must not flood the log
@@ -52,31 +65,45 @@ def token_ok(expected: str | None, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
-def guarded(token: str | None, fn: Callable[[dict, grpc.ServicerContext], Any]) -> Callable:
-    """Wrap a handler: refuse a bad token, turn a bad request into INVALID_ARGUMENT."""
+def pack_reply(obj: Any) -> bytes:
+    """Replies are msgpack maps; a reply already encoded (the shared membership) goes as is."""
+    return obj if isinstance(obj, bytes) else pack(obj)
 
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
-        given = dict(context.invocation_metadata()).get(TOKEN_HEADER)
-        if not token_ok(token, given):
-            limited.warning("auth", "refused %s from %s: %s cluster token", fn.__name__, context.peer(),
-                            "missing" if given is None else "wrong")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-        if not isinstance(request, dict):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request must be a msgpack map")
+
+def _check(token: str | None, name: str, request: Any, context: Any) -> tuple[grpc.StatusCode, str] | None:
+    given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER)
+    if not token_ok(token, given):
+        limited.warning("auth", "refused %s from %s: %s cluster token", name, context.peer(),
+                        "missing" if given is None else "wrong")
+        return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token"
+    if not isinstance(request, dict):
+        return grpc.StatusCode.INVALID_ARGUMENT, "request must be a msgpack map"
+    return None
+
+
+def unary(token: str | None, fn: Callable[[dict[str, Any], Any], Awaitable[Any]]) -> grpc.RpcMethodHandler:
+    """A grpc.aio unary handler: refuses a bad token, turns a bad request into INVALID_ARGUMENT."""
+
+    async def handler(request: Any, context: Any) -> Any:
+        refused = _check(token, fn.__name__, request, context)
+        if refused:
+            await context.abort(*refused)
         try:
-            return fn(request, context)
-        except (KeyError, TypeError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc!r}")
+            return await fn(request, context)
+        except (KeyError, TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc!r}")
 
-    handler.__name__ = fn.__name__
-    return handler
-
-
-def unary(token: str | None, fn: Callable) -> grpc.RpcMethodHandler:
-    return grpc.unary_unary_rpc_method_handler(guarded(token, fn), request_deserializer=unpack,
-                                               response_serializer=pack)
+    return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=unpack, response_serializer=pack_reply)
 
 
-def stream(token: str | None, fn: Callable) -> grpc.RpcMethodHandler:
-    return grpc.unary_stream_rpc_method_handler(guarded(token, fn), request_deserializer=unpack,
-                                                response_serializer=pack)
+def stream(token: str | None, fn: Callable[[dict[str, Any], Any], AsyncIterator[Any]]) -> grpc.RpcMethodHandler:
+    """A grpc.aio server-streaming handler (an async generator), token checked first."""
+
+    async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
+        refused = _check(token, fn.__name__, request, context)
+        if refused:
+            await context.abort(*refused)
+        async for item in fn(request, context):
+            yield item
+
+    return grpc.unary_stream_rpc_method_handler(handler, request_deserializer=unpack, response_serializer=pack_reply)

@@ -120,13 +120,19 @@ def serve_daemon(metrics: Any, server: Any, store: Any, agent: Any, port: int, h
 
 # -- master ---------------------------------------------------------------------------------
 def master_probes(master: Any) -> tuple[Probe, Probe]:
+    """``master``: a gcache.meta.master.Master (its gRPC front; Raft and the node table live in
+    its core process, asked through ``master.health()``)."""
+
     def live() -> dict[str, Check]:
-        return {"serving": (not master._stop.is_set(), f"gRPC on {master.address}")}
+        return {"serving": (master.serving, f"gRPC on {master.address}")}
 
     def ready() -> dict[str, Check]:
-        st = master.raft.status()
+        checks = live()
+        if not checks["serving"][0]:
+            return checks
+        st = master.health()["raft"]
         leader = st.get("leader")
-        return {**live(), "leader": (leader is not None,
+        return {**checks, "leader": (leader is not None,
                                      f"leader {leader} (term {st.get('term')})" if leader else "no Raft leader")}
 
     return live, ready

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -13,20 +14,17 @@ class MasterCollector:
     def __init__(self, master: Any) -> None:
         self.master = master
 
-    def collect(self):
-        m = self.master
-        with m.cond:
-            epoch = m.table.epoch
-            states = [r["state"] for r in m.table.nodes.values()]
-            transition = m.table.transition
-        st = m.raft.status()
-        yield GaugeMetricFamily("gcache_membership_epoch", "membership epoch this master has applied", value=epoch)
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        h = self.master.health()  # from the master's core process
+        states: dict[str, int] = h["states"]
+        st = h["raft"]
+        yield GaugeMetricFamily("gcache_membership_epoch", "membership epoch this master has applied", value=h["epoch"])
         nodes = GaugeMetricFamily("gcache_nodes", "nodes in the membership, by state", labels=["state"])
         for s in sorted(set(STATES) | set(states)):
-            nodes.add_metric([s], states.count(s))
+            nodes.add_metric([s], states.get(s, 0))
         yield nodes
         yield GaugeMetricFamily("gcache_handover_pending", "nodes that have not finished the open handover",
-                                value=len(transition["pending"]) if transition else 0)
+                                value=h["handover_pending"])
         yield GaugeMetricFamily("gcache_master_is_leader", "1 on the Raft leader", value=1 if st.get("is_leader") else 0)
         yield GaugeMetricFamily("gcache_master_has_leader", "1 when this master knows a Raft leader",
                                 value=1 if st.get("leader") else 0)

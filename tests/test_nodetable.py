@@ -1,0 +1,85 @@
+"""The master's node table as golden sequences: commands in, epochs / states / transitions out.
+
+Each block of ``tests/data/nodetable.golden`` is a command, ``----``, then what the table answers
+and looks like afterwards. Blocks separated by a line ``=== name`` start from an empty table.
+Rewrite the expectations after an intended change with ``GCACHE_REWRITE_GOLDEN=1`` and review
+the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from gcache.meta.nodetable import CommandError, GiB, NodeTable
+from gcache.sizes import parse_size
+
+GOLDEN = Path(__file__).parent / "data" / "nodetable.golden"
+
+
+def run(table: NodeTable, line: str) -> str:
+    op, *args = line.split()
+    cmd: dict = {"v": 1, "op": op}
+    if op == "register":
+        cmd.update(node=args[0], address=f"10.0.0.{ord(args[0][0]) % 250}:7400", capacity=parse_size(args[1]))
+    elif op == "set_state":
+        cmd.update(node=args[0], inc=int(args[1]), state=args[2])
+    elif op == "handover_done":
+        cmd.update(node=args[0], epoch=int(args[1]))
+    elif op == "handover_done_many":
+        cmd.update(reports=[{"node": a.split(":")[0], "epoch": int(a.split(":")[1])} for a in args])
+    elif op in ("drain", "remove"):
+        cmd.update(node=args[0])
+    elif op == "restart-from-snapshot":
+        blob = table.snapshot()
+        table.__init__()
+        table.restore(blob)
+        return "restored"
+    elif op == "raw":
+        cmd = json.loads(" ".join(args))  # a malformed command, written out in the golden file
+    try:
+        out = table.apply(cmd)
+    except CommandError as exc:
+        return f"refused: {exc}"
+    return " ".join(f"{k}={out[k]}" for k in sorted(out)).replace("'", "")
+
+
+def render(table: NodeTable) -> str:
+    m = table.membership()
+    nodes = " ".join(f"{r['id']}={r['state']}/{r['inc']}/w{r['weight']:g}" for r in m["nodes"]) or "-"
+    lines = [f"epoch {m['epoch']} ring-unit {m['ring']['unit']:g}", f"nodes {nodes}"]
+    t = m["transition"]
+    if t is None:
+        lines.append("transition none")
+    else:
+        lines.append(f"transition epoch {t['epoch']} from [{','.join(r['id'] for r in t['from'])}] "
+                     f"ring-unit {t['ring']['unit']:g} pending [{','.join(t['pending'])}]")
+    return "\n".join(lines)
+
+
+def replay(text: str) -> str:
+    out: list[str] = []
+    table = NodeTable()
+    for block in text.strip().split("\n\n"):
+        lines = block.strip().splitlines()
+        head = [ln for ln in lines if ln.startswith(("#", "==="))]
+        if any(ln.startswith("===") for ln in head):
+            table = NodeTable()
+        cmd = next(ln for ln in lines if not (ln.startswith(("#", "==="))))
+        out.append("\n".join([*head, cmd, "----", run(table, cmd), render(table)]))
+    return "\n\n".join(out) + "\n"
+
+
+def test_golden_sequences():
+    text = GOLDEN.read_text()
+    got = replay(text)
+    if os.environ.get("GCACHE_REWRITE_GOLDEN"):
+        GOLDEN.write_text(got)
+    assert got == text
+
+
+def test_weight_is_capacity_in_gib():
+    t = NodeTable()
+    t.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": 64 * GiB})
+    assert t.nodes["a"]["weight"] == 64.0
