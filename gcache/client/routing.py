@@ -124,6 +124,13 @@ class MembershipWatcher:
                     m = delta.apply(self._held, m)
                 if not m.get("unchanged"):
                     membership = Membership.from_master(m)
+                    if not got and self.attaches == 0 and not membership.owners():
+                        # nothing to route by yet (a master still catching up, or no daemon has
+                        # registered): wait on this stream for the next epoch
+                        self._held, self.known = m, membership.epoch
+                        self.error = ConfigError(f"membership epoch {membership.epoch} from {address} has no "
+                                                 "node that owns keys (no daemon registered yet?)")
+                        continue
                     self.on_update(membership)
                     self._held, self.known = m, membership.epoch
                 if not got:
