@@ -159,8 +159,10 @@ class HashRing:
 
     def owners(self, namespace: str, keys: Sequence[bytes]) -> list[str]:
         """Owner node id of each key."""
-        hashes = np.fromiter((key_hash(namespace, k) for k in keys), dtype=_U64, count=len(keys))
-        return [self.node_ids[i] for i in self.owner_indices(hashes)]
+        prefix, h = namespace.encode() + b"\0", xxhash.xxh3_64_intdigest  # key_hash, inlined per key
+        hashes = np.array([h(prefix + k) for k in keys], dtype=_U64)
+        ids = self.node_ids
+        return [ids[i] for i in self.owner_indices(hashes).tolist()]
 
     def owner(self, namespace: str, key: bytes) -> str:
         return self.owners(namespace, [key])[0]
