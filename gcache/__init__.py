@@ -17,11 +17,11 @@ from gcache.errors import (
 )
 from gcache.protocol import Status
 
-_LAZY = {"Client": "gcache.client", "GetResult": "gcache.client", "LocalPath": "gcache.client",
-         "OnNodeError": "gcache.client"}
+_LAZY = {"Client": "gcache.client", "ClientConfig": "gcache.client", "GetResult": "gcache.client",
+         "LocalPath": "gcache.client", "OnNodeError": "gcache.client"}
 
 __all__ = [
-    "CallTimeout", "Client", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult", "LocalPath",
+    "CallTimeout", "Client", "ClientConfig", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult", "LocalPath",
     "OnNodeError", "ProtocolError", "ServerError", "Status",
 ]
 __version__ = "0.1.0"
