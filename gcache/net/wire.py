@@ -41,20 +41,27 @@ def recv_scatter(sock: Receiver, views: Sequence[memoryview]) -> None:
         for v in views:
             recv_exact(sock, v)
         return
-    bufs = [v for v in views if len(v)]
+    bufs: list[Any] = [v for v in views if len(v)]
     i = 0
     while i < len(bufs):
         n = recvmsg(bufs[i : i + IOV_MAX])[0]
         if n == 0:
             raise ConnectionResetError("peer closed the connection mid-payload")
-        while n:
-            head = bufs[i]
-            if n >= len(head):
-                n -= len(head)
-                i += 1
-            else:
-                bufs[i] = head[n:]
-                n = 0
+        i = _advance(bufs, i, n)
+
+
+def _advance(bufs: list[Any], i: int, n: int) -> int:
+    """After ``n`` bytes moved from ``bufs[i:]``: the index of the first buffer not done, whose
+    entry is cut to what is left of it."""
+    while n:
+        head = bufs[i]
+        if n >= len(head):
+            n -= len(head)
+            i += 1
+        else:
+            bufs[i] = memoryview(head)[n:]
+            n = 0
+    return i
 
 
 def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
@@ -67,18 +74,10 @@ def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
 
 def send_all(sock: Sender, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
     """Send every buffer in order with sendmsg (scatter-gather), resuming after partial sends."""
-    bufs = [b for b in buffers if len(b)]
+    bufs: list[Any] = [b for b in buffers if len(b)]
     i = 0
     while i < len(bufs):
-        sent = sock.sendmsg(bufs[i : i + IOV_MAX])
-        while sent:
-            head = bufs[i]
-            if sent >= len(head):
-                sent -= len(head)
-                i += 1
-            else:
-                bufs[i] = memoryview(head)[sent:]
-                sent = 0
+        i = _advance(bufs, i, sock.sendmsg(bufs[i : i + IOV_MAX]))
 
 
 def tune(sock: socket.socket) -> None:

@@ -46,14 +46,18 @@ def _tcp_stream(address: str, timeout_s: float) -> SocketStream:
     return SocketStream(sock)
 
 
-def _dial_tcp(address: str, timeout_s: float, greet: Greet) -> Stream:
-    stream = _tcp_stream(address, timeout_s)
+def _greeted(stream: Stream, greet: Greet) -> Stream:
+    """``stream`` once ``greet`` authenticated it; closed if that fails."""
     try:
         greet(stream)
     except BaseException:
         stream.close()
         raise
     return stream
+
+
+def _dial_tcp(address: str, timeout_s: float, greet: Greet) -> Stream:
+    return _greeted(_tcp_stream(address, timeout_s), greet)
 
 
 def _dial_unix(address: str, timeout_s: float, greet: Greet) -> Stream:
@@ -65,13 +69,7 @@ def _dial_unix(address: str, timeout_s: float, greet: Greet) -> Stream:
     except OSError:
         sock.close()
         raise
-    stream = SocketStream(sock)
-    try:
-        greet(stream)
-    except BaseException:
-        stream.close()
-        raise
-    return stream
+    return _greeted(SocketStream(sock), greet)
 
 
 def _dial_ucx(address: str, timeout_s: float, greet: Greet) -> Stream:
@@ -96,9 +94,7 @@ def _dial_ucx(address: str, timeout_s: float, greet: Greet) -> Stream:
 def _dial_memory(address: str, timeout_s: float, greet: Greet) -> Stream:
     from gcache.transport import memory
 
-    stream = memory.dial(address)
-    greet(stream)
-    return stream
+    return _greeted(memory.dial(address), greet)
 
 
 _DIALERS: dict[tuple[Transport, bool], Dialer] = {
