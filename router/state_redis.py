@@ -35,13 +35,24 @@ import redis.exceptions
 from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
 from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
+from router.resp import Arg, RespClient
 from router.state_base import Lease, RouterState, WorkerState
 from router.state_memory import MemoryState
 
 log = logging.getLogger("gcache.router.state")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-_FLUSH, _SNAPSHOT, _SNAPSHOT_TICKET, _STRICT_ACQUIRE = 0, 1, 2, 3
+_FLUSH, _SNAPSHOT, _SNAPSHOT_TICKET, _STRICT_ACQUIRE = 0, 1, 2, 3  # _call's modes; the script's: 0, 1, 3
+
+
+class _Common:
+    """The part of a snapshot every request of one batch shares: per worker its spec, the other
+    replicas' load, health and circuit state (decoded once per batch)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[tuple[str, int, int, int, bool, bool]]) -> None:
+        self.rows = rows
 
 
 class RedisState(RouterState):
@@ -72,6 +83,7 @@ class RedisState(RouterState):
         self.r = aioredis.Redis(connection_pool=pool)
         self._sync = self.r.register_script(SYNC)
         self._sync_sha = self._sync.sha
+        self.fast = RespClient(url, timeout_s)  # the hot command's own pipelined connection
         self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
         self._inflight: set[asyncio.Task] = set()
         self._resync = self.r.register_script(RESYNC)
@@ -115,6 +127,7 @@ class RedisState(RouterState):
             self._flush_timer.cancel()
         if self._ops and self._up:
             await self._call(_FLUSH, ())
+        await self.fast.close()
         await self.r.aclose()
 
     async def try_resync(self) -> bool:
@@ -129,6 +142,7 @@ class RedisState(RouterState):
                 return False
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
+            await self.fast.close()
             await self.r.script_load(SYNC)
             while True:
                 v = self._version
@@ -171,9 +185,10 @@ class RedisState(RouterState):
             self.flush_commands += 1
             asyncio.get_running_loop().create_task(self._call(_FLUSH, ()))
 
-    async def _call(self, mode: int, hashes: Sequence[object]) -> list | int | None:
-        """One SYNC command; None if Redis is unreachable. Commands issued in the same event-loop
-        turn share one pipeline (one round trip); the first carries every buffered change."""
+    async def _call(self, mode: int, hashes: Sequence[object]) -> object:
+        """One SYNC call; None if Redis is unreachable. Calls issued in the same event-loop turn
+        share one round trip, and their snapshots one script run; the first carries every
+        buffered change."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._batch.append((mode, hashes, fut))
@@ -188,21 +203,41 @@ class RedisState(RouterState):
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _run_batch(self, batch: list, ops: list) -> None:
+    def _commands(self, batch: list, ops: list) -> list[list[Arg]]:
+        """The batch as script calls: one for every snapshot (carrying the buffered changes),
+        then one per strict acquire."""
         b = self.local.breaker
-        fixed = [self.ns, self.replica, self.prefix.ttl_s, self.lease_s, self.prefix.max_blocks_per_worker]
+        head: list[Arg] = ["EVALSHA", self._sync_sha, 0, self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
+                           self.prefix.max_blocks_per_worker]
+        snaps = [(mode, hashes) for mode, hashes, _ in batch if mode in (_SNAPSHOT, _SNAPSHOT_TICKET)]
+        strict = [hashes for mode, hashes, _ in batch if mode == _STRICT_ACQUIRE]
+        cmds: list[list[Arg]] = []
+        if snaps or not strict:
+            cmd = [*head, 1 if snaps else 0, b.failures, b.open_s, len(ops), *ops]
+            if snaps:
+                cmd.append(len(snaps))
+                for mode, hashes in snaps:
+                    cmd += [1 if mode == _SNAPSHOT_TICKET else 0, len(hashes), *hashes]
+            cmds.append(cmd)
+        for i, hashes in enumerate(strict):
+            o = ops if i == 0 and not cmds else ()
+            cmds.append([*head, 3, b.failures, b.open_s, len(o), *o, *hashes])
+        return cmds
+
+    async def _run_batch(self, batch: list, ops: list) -> None:
+        cmds = self._commands(batch, ops)
+        results: list | None = None
         for attempt in (0, 1):
             try:
-                pipe = self.r.pipeline(transaction=False)
-                for i, (mode, hashes, _) in enumerate(batch):
-                    o = ops if i == 0 else ()
-                    pipe.evalsha(self._sync_sha, 0, *fixed, mode, b.failures, b.open_s, len(o), *o, *hashes)
                 self.pipelines += 1
-                results = await pipe.execute()
+                results = await self.fast.execute(cmds)
+                err = next((r for r in results if isinstance(r, Exception)), None)
+                if err is not None:
+                    raise err
                 break
             except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+                results = None
                 if attempt:
-                    results = None
                     break
                 with contextlib.suppress(*_REDIS_ERRORS):
                     await self.r.script_load(SYNC)
@@ -211,9 +246,53 @@ class RedisState(RouterState):
                 self._keep_records(ops)
                 results = None
                 break
-        for k, (_, _, fut) in enumerate(batch):
-            if not fut.done():
-                fut.set_result(None if results is None else results[k])
+            except redis.exceptions.ResponseError as e:
+                log.error("redis refused the state script: %s", e)
+                results = None
+                break
+        if results is None:
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        k = 0
+        snap_res: list | None = None
+        common: _Common | None = None
+        if any(mode in (_SNAPSHOT, _SNAPSHOT_TICKET) for mode, _, _ in batch):
+            snap_res = results[0]
+            common = self._common(snap_res[0])
+            k = 1
+        elif not any(mode == _STRICT_ACQUIRE for mode, _, _ in batch):
+            k = 1
+        q = 0
+        for mode, _, fut in batch:
+            if fut.done():
+                continue
+            if mode == _STRICT_ACQUIRE:
+                fut.set_result(results[k])
+                k += 1
+            elif mode == _FLUSH:
+                fut.set_result([])
+            else:
+                assert snap_res is not None
+                fut.set_result((common, snap_res[1][q]))
+                q += 1
+
+    def _common(self, rows: list) -> _Common:
+        out = []
+        for i, (name_b, spec_json, reqs, work, down, fails, is_open) in enumerate(rows):
+            name = name_b.decode()
+            if name not in self.local.workers:
+                self.local.add_worker_sync(WorkerSpec.from_dict(json.loads(spec_json)))  # learnt from another replica
+            r = max(0, int(reqs))
+            self._others[name] = r
+            self._fails[name] = int(fails)
+            out.append((name, i, r, max(0, int(work)), bool(down), bool(is_open)))
+        known = {row[0] for row in out}
+        for gone in [w for w in self.local.workers if w not in known]:
+            self.local.remove_worker_sync(gone)  # removed through another replica
+        out.sort()
+        return _Common(out)
 
     def _keep_records(self, ops: list) -> None:
         i = 0
@@ -293,31 +372,29 @@ class RedisState(RouterState):
         if self._up:
             res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
             if res is not None:
-                return self._merge(res[1], hashes), int(res[0])
+                common, (ticket, matches) = res
+                return self._merge(common, matches, hashes), int(ticket)
         return self.local.snapshot_sync(hashes), await self.local.next_ticket()
 
-    def _merge(self, rows: list, hashes: Sequence[int]) -> list[WorkerState]:
+    def _merge(self, common: _Common, matches: list, hashes: Sequence[int]) -> list[WorkerState]:
         """Redis's view of the other replicas plus this replica's exact local counts."""
-        now = self.local.clock()
+        local = self.local
+        now = local.clock()
         out = []
-        for name, spec_json, reqs, work, m, age, down, fails, is_open in rows:
-            name = name.decode()
-            spec = self.local.workers.get(name)
+        for name, i, reqs, work, down, is_open in common.rows:
+            spec = local.workers.get(name)
             if spec is None:
-                spec = WorkerSpec.from_dict(json.loads(spec_json))
-                self.local.add_worker_sync(spec)  # learnt from another replica
-            self._others[name] = max(0, int(reqs))
-            self._fails[name] = int(fails)
-            own_r, own_w = self.local.loads.get(name)
-            lm, lage = self.local.index.match_age(name, hashes, now)
-            age_s = float(age)
-            age_s = age_s if age_s >= 0 else float("inf")
-            out.append(WorkerState(spec, not down, max(int(m), lm), self._others[name] + own_r,
-                                   max(0, int(work)) + own_w, min(age_s, lage), bool(is_open)))
-        known = {s.name for s in out}
-        for gone in [w for w in self.local.workers if w not in known]:
-            self.local.remove_worker_sync(gone)  # removed through another replica
-        out.sort(key=lambda s: s.name)
+                continue  # removed locally since the batch was sent
+            own_r, own_w = local.loads.get(name)
+            m = int(matches[2 * i])
+            age_s = float(matches[2 * i + 1])
+            if hashes:
+                lm, lage = local.index.match_age(name, hashes, now)
+                m = max(m, lm)
+                age_s = min(age_s if age_s >= 0 else float("inf"), lage)
+            else:
+                age_s = age_s if age_s >= 0 else float("inf")
+            out.append(WorkerState(spec, not down, m, reqs + own_r, work + own_w, age_s, is_open))
         return out
 
     async def next_ticket(self) -> int:
