@@ -6,6 +6,8 @@ value raises ``ValueError`` naming the field and what to change.
 
 from __future__ import annotations
 
+import functools
+
 import enum
 import hashlib
 from dataclasses import dataclass, field
@@ -228,8 +230,9 @@ class WorkerSpec:
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models
-    @property
-    def name(self) -> str:
+
+    @functools.cached_property
+    def name(self) -> str:  # computed once: the router reads it several times per request
         return self.url.rstrip("/")
 
     def to_dict(self) -> dict:

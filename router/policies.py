@@ -144,19 +144,29 @@ class MinTTFT(Policy):
         return self.cfg.cost.ms(c.uncached_tokens - c.l3_tokens, c.l3_tokens)
 
     def scores(self, cands: Sequence[Candidate]) -> dict[str, float]:
-        own = {c.name: self.own_ms(c) for c in cands}
-        least = min(own.values())
-        warm = min(cands, key=lambda c: (own[c.name], c.match_age_ms))
-        hot = own[warm.name] >= self.cfg.hot_load * warm.match_age_ms
-        others = [c.pending_ms / c.speed for c in cands if c.name != warm.name]
+        return {c.name: s for c, s in zip(cands, self._scores(cands), strict=True)}
+
+    def _scores(self, cands: Sequence[Candidate]) -> list[float]:
+        cfg = self.cfg
+        own = [self.own_ms(c) for c in cands]
+        least = min(own)
+        w = min(range(len(cands)), key=lambda i: (own[i], cands[i].match_age_ms))
+        hot = own[w] >= cfg.hot_load * cands[w].match_age_ms
+        others = [c.pending_ms / c.speed for i, c in enumerate(cands) if i != w]
         busy = sum(others) / len(others) if others else 0.0
-        k = 0.0 if hot else self.cfg.affinity_weight + busy / self.cfg.busy_scale_ms
-        return {c.name: (c.pending_ms + own[c.name]) / c.speed + self.cfg.inflight_penalty_ms * c.inflight_requests
-                + k * (own[c.name] - least) for c in cands}
+        k = 0.0 if hot else cfg.affinity_weight + busy / cfg.busy_scale_ms
+        pen = cfg.inflight_penalty_ms
+        return [(c.pending_ms + o) / c.speed + pen * c.inflight_requests + k * (o - least)
+                for c, o in zip(cands, own, strict=True)]
 
     def choose(self, req: RouteInput, cands: Sequence[Candidate]) -> Decision:
-        s = self.scores(cands)
-        best = min(cands, key=lambda c: (s[c.name], c.inflight_requests, tiebreak(c.name, req.key)))
+        if len(cands) == 1:
+            best = cands[0]
+        else:
+            s = self._scores(cands)
+            i = min(range(len(cands)),
+                    key=lambda i: (s[i], cands[i].inflight_requests, tiebreak(cands[i].name, req.key)))
+            best = cands[i]
         longest = max(c.matched_blocks for c in cands)
         if longest == 0:
             reason = Reason.COLD

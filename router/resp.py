@@ -55,6 +55,7 @@ class _Conn(asyncio.Protocol):
         self.reader = hiredis.Reader()
         self.pending: collections.deque[_Pending] = collections.deque()
         self.closed = False
+        self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -147,7 +148,7 @@ class RespClient:
         return [_error(r) if isinstance(r, hiredis.ReplyError) else r for r in replies]
 
     def _send(self, conn: _Conn, cmds: list[list[Arg]]) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         fut = loop.create_future()
         if conn.closed or conn.transport is None:
             fut.set_exception(redis.exceptions.ConnectionError("redis connection closed"))

@@ -85,6 +85,7 @@ class RedisState(RouterState):
         self._sync_sha = self._sync.sha
         self.fast = RespClient(url, timeout_s)  # the hot command's own pipelined connection
         self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
+        self._loop_cache: asyncio.AbstractEventLoop | None = None
         self._inflight: set[asyncio.Task] = set()
         self._resync = self.r.register_script(RESYNC)
         self._heartbeat = self.r.register_script(HEARTBEAT)
@@ -170,6 +171,13 @@ class RedisState(RouterState):
         log.warning("redis reachable at %s; state resynchronised (replica %s)", self.url, self.replica)
         return True
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, looked up once (Python 3.11's lookup costs a getpid() system call)."""
+        loop = self._loop_cache
+        if loop is None or loop.is_closed():
+            loop = self._loop_cache = asyncio.get_running_loop()
+        return loop
+
     # -- the buffered changes -------------------------------------------------------------
     def _buffer(self, *op: object) -> None:
         if not self._up:
@@ -177,19 +185,19 @@ class RedisState(RouterState):
             return
         self._ops.extend(op)
         if self._flush_timer is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_delay_s, self._flush_soon)
+            self._flush_timer = self._loop().call_later(self.flush_delay_s, self._flush_soon)
 
     def _flush_soon(self) -> None:
         self._flush_timer = None
         if self._ops and self._up:
             self.flush_commands += 1
-            asyncio.get_running_loop().create_task(self._call(_FLUSH, ()))
+            self._loop().create_task(self._call(_FLUSH, ()))
 
     async def _call(self, mode: int, hashes: Sequence[object]) -> object:
         """One SYNC call; None if Redis is unreachable. Calls issued in the same event-loop turn
         share one round trip, and their snapshots one script run; the first carries every
         buffered change."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         fut = loop.create_future()
         self._batch.append((mode, hashes, fut))
         if len(self._batch) == 1:
@@ -199,7 +207,7 @@ class RedisState(RouterState):
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
-        task = asyncio.get_running_loop().create_task(self._run_batch(batch, ops))
+        task = self._loop().create_task(self._run_batch(batch, ops))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
