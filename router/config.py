@@ -6,9 +6,8 @@ value raises ``ValueError`` naming the field and what to change.
 
 from __future__ import annotations
 
-import functools
-
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
