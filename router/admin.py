@@ -53,7 +53,7 @@ class Admin:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            spec = WorkerSpec.from_dict(request.json())
+            spec = WorkerSpec.from_dict(request.json())  # type: ignore[arg-type]  # from_dict checks it
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             return json_error(400, f"bad worker: {e}", "invalid_request_error")
         await self.router.state.add_worker(spec)
@@ -80,11 +80,12 @@ class Admin:
             now = int(time.time())
             return json_response({"object": "list", "data": [
                 {"id": m, "object": "model", "created": now, "owned_by": "gcache-router"} for m in named]})
+        session = self.router.session
         for s in llm:
-            if not s.routable:
+            if not s.routable or session is None:
                 continue
             try:
-                async with self.router.session.get(s.name + "/v1/models",
+                async with session.get(s.name + "/v1/models",
                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
                         return Response(200, await r.read(), "application/json")

@@ -107,6 +107,7 @@ class Router:
 
     async def _kv_loop(self) -> None:
         """Keep one KV event subscriber per publishing worker, as workers come and go."""
+        assert self.kv is not None
         while not self._stopping.is_set():
             self.kv.reconcile(self.state.known_specs())
             await asyncio.sleep(self.cfg.health_interval_s)
@@ -185,6 +186,7 @@ class Router:
             return error(400, str(e)), 400
         except RecursionError:
             return error(400, "request body is nested too deeply to be routed"), 400
+        assert self.upstream is not None, "the router is not started"
         l3_tokens = await self.l3.loadable_tokens(parsed.token_ids) if self.l3 is not None else 0
         tried: set[str] = set()
         failure = ""

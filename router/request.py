@@ -71,7 +71,7 @@ def parse_request(path: str, body: object, cfg: PrefixConfig, tok: Tokenization 
         text = _chat_text(messages, tools, r.media)
         if tok is not None:
             try:
-                ids = tok.encode_chat(messages, tools)
+                ids = tok.encode_chat(messages, tools)  # type: ignore[arg-type]  # _chat_text checked it
             except TemplateError as e:
                 raise BadRequest(str(e)) from None
             if ids is not None:

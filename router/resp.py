@@ -139,8 +139,9 @@ class RespClient:
             if self._connecting is None:
                 self._connecting = asyncio.ensure_future(self._connect())
             fut = self._connecting
+            conn = None
             try:
-                conn = await asyncio.shield(fut)
+                conn = cast(_Conn, await asyncio.shield(fut))
             finally:
                 if self._connecting is fut and fut.done():
                     self._connecting = None

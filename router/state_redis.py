@@ -28,6 +28,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -147,7 +148,7 @@ class RedisState(RouterState):
             await self.r.script_load(SYNC)
             while True:
                 v = self._version
-                fields: list[object] = []
+                fields: list[Arg] = []
                 for w in self.local.workers:
                     r, t = self.local.loads.get(w)
                     fields += [f"r:{w}", r, f"t:{w}", t]
@@ -380,7 +381,7 @@ class RedisState(RouterState):
         if self._up:
             res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
             if res is not None:
-                common, (ticket, matches) = res
+                common, (ticket, matches) = cast(tuple[_Common, list], res)
                 return self._merge(common, matches, hashes), int(ticket)
         return self.local.snapshot_sync(hashes), await self.local.next_ticket()
 

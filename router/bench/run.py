@@ -39,7 +39,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
             if r.status == 200:
                 return
@@ -62,7 +62,8 @@ def process(args: list[str], health_url: str | None) -> Iterator[subprocess.Pope
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        proc.stderr.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 @contextlib.contextmanager
