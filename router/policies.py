@@ -51,7 +51,8 @@ class Reason(enum.Enum):
     ENCODER_AFFINITY = "encoder_affinity"
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class Candidate:
     """One eligible worker as a policy sees it."""
 
@@ -65,7 +66,8 @@ class Candidate:
     match_age_ms: float = float("inf")
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class RouteInput:
     """What a policy knows about the request."""
 
@@ -75,7 +77,8 @@ class RouteInput:
     key: int = 0  # request identity (its last block hash): spreads ties deterministically
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class Decision:
     worker: str
     reason: Reason
@@ -164,9 +167,10 @@ class MinTTFT(Policy):
             best = cands[0]
         else:
             s = self._scores(cands)
-            i = min(range(len(cands)),
-                    key=lambda i: (s[i], cands[i].inflight_requests, tiebreak(cands[i].name, req.key)))
-            best = cands[i]
+            lo = min((s[i], c.inflight_requests) for i, c in enumerate(cands))
+            tied = [c for i, c in enumerate(cands) if (s[i], c.inflight_requests) == lo]
+            # the rendezvous hash only among exact ties (it is the costly part of the key)
+            best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: tiebreak(c.name, req.key))
         longest = max(c.matched_blocks for c in cands)
         if longest == 0:
             reason = Reason.COLD
