@@ -9,6 +9,10 @@ a timer flushes them within ``flush_delay_s`` when no request comes (off the req
 Commands issued in the same event-loop turn go out as one pipeline, so under load many
 requests share a round trip.
 
+The hot command goes over the replica's own pipelined RESP connection (``router.resp``); the
+snapshots of one event-loop turn are one script run (mode 1 of ``SYNC``), which computes the
+workers' shared state once and each request's prefix match. redis-py serves everything else.
+
 A replica's own load is always its exact local count; other replicas' load is as of their
 last call (at most ``flush_delay_s`` old). Far from a worker's ``max_inflight`` that is
 enough; within ``strict_margin`` of it admission takes a second round trip, an atomic check
