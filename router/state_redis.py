@@ -91,6 +91,7 @@ class RedisState(RouterState):
         self.fast = RespClient(url, timeout_s)  # the hot command's own pipelined connection
         self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
         self._loop_cache: asyncio.AbstractEventLoop | None = None
+        self._last_send = float("-inf")  # loop time a request's batch last went out
         self._inflight: set[asyncio.Task] = set()
         self._resync = self.r.register_script(RESYNC)
         self._heartbeat = self.r.register_script(HEARTBEAT)
@@ -192,11 +193,19 @@ class RedisState(RouterState):
         if self._flush_timer is None:
             self._flush_timer = self._loop().call_later(self.flush_delay_s, self._flush_soon)
 
-    def _flush_soon(self) -> None:
+    def _flush_soon(self, force: bool = False) -> None:
+        """Send the buffered changes, unless a request sent its batch recently: then they ride on
+        the next one, or on this timer's next turn if requests stop (no extra round trip under load)."""
         self._flush_timer = None
-        if self._ops and self._up:
-            self.flush_commands += 1
-            self._loop().create_task(self._call(_FLUSH, ()))
+        if not self._ops or not self._up:
+            return
+        loop = self._loop()
+        wait = self._last_send + self.flush_delay_s - loop.time()
+        if wait > 0 and not force:
+            self._flush_timer = loop.call_later(wait, self._flush_soon)
+            return
+        self.flush_commands += 1
+        loop.create_task(self._call(_FLUSH, ()))
 
     async def _call(self, mode: int, hashes: Sequence[object]) -> object:
         """One SYNC call; None if Redis is unreachable. Calls issued in the same event-loop turn
@@ -212,7 +221,10 @@ class RedisState(RouterState):
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
-        task = self._loop().create_task(self._run_batch(batch, ops))
+        loop = self._loop()
+        if any(mode != _FLUSH for mode, _, _ in batch):
+            self._last_send = loop.time()
+        task = loop.create_task(self._run_batch(batch, ops))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -369,7 +381,7 @@ class RedisState(RouterState):
             self._buffer("C", worker, int(ok))
             if not ok and self._flush_timer is not None:  # failures reach the other replicas at once
                 self._flush_timer.cancel()
-                self._flush_soon()
+                self._flush_soon(force=True)
 
     # -- routing ------------------------------------------------------------------------
     async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
