@@ -24,18 +24,9 @@ Arg = bytes | str | int | float
 
 
 def pack(cmd: list[Arg]) -> bytes:
-    out = [b"*%d\r\n" % len(cmd)]
-    for a in cmd:
-        if isinstance(a, bytes):
-            b = a
-        elif isinstance(a, str):
-            b = a.encode()
-        elif isinstance(a, float):
-            b = repr(a).encode()
-        else:
-            b = b"%d" % a
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
+    """A command in RESP (an array of bulk strings); numbers as their decimal text."""
+    enc = [a if type(a) is bytes else str(a).encode() for a in cmd]
+    return b"*%d\r\n" % len(enc) + b"".join([b"$%d\r\n%s\r\n" % (len(x), x) for x in enc])
 
 
 class _Pending:

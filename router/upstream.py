@@ -48,6 +48,7 @@ class UpstreamConn(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._want_head = True
         self._paused = False
+        self.deadline = 0.0  # loop time the current wait times out
         self._reset()
 
     def _reset(self) -> None:
@@ -151,17 +152,18 @@ class UpstreamConn(asyncio.Protocol):
             w.set_exception(TimeoutError())
 
     async def _wait(self, want_head: bool, timeout_s: float) -> None:
-        loop = self.pool.loop
+        pool = self.pool
         self._want_head = want_head
-        self._waiter = w = loop.create_future()
+        self._waiter = w = pool.loop.create_future()
         self._wake()
         if w.done():
             return
-        timer = loop.call_later(timeout_s, self._timed_out)
+        self.deadline = pool.loop.time() + timeout_s
+        pool.waiting.add(self)  # the pool's sweep fires the timeout: no timer per request
         try:
             await w
         finally:
-            timer.cancel()
+            pool.waiting.discard(self)
             self._waiter = None
 
     async def wait_head(self, timeout_s: float) -> None:
@@ -213,6 +215,17 @@ class UpstreamPool:
         self.max_idle = max_idle_per_worker
         self._idle: dict[tuple[str, int], list[UpstreamConn]] = {}
         self.loop = asyncio.get_running_loop()
+        self.waiting: set[UpstreamConn] = set()  # connections with a wait that can time out
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self, tick_s: float = 0.05) -> None:
+        """Time out the waits whose deadline passed (to within ``tick_s``)."""
+        while True:
+            await asyncio.sleep(tick_s)
+            if self.waiting:
+                now = self.loop.time()
+                for c in [c for c in self.waiting if c.deadline <= now]:
+                    c._timed_out()
 
     def __repr__(self) -> str:
         return f"UpstreamPool(idle={ {k: len(v) for k, v in self._idle.items()} })"
@@ -226,6 +239,9 @@ class UpstreamPool:
             conn.close()
 
     async def close(self) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
         for conns in self._idle.values():
             for c in conns:
                 c.close()
