@@ -305,8 +305,8 @@ class HttpConnection(asyncio.Protocol):
                 if self._paused_reading and len(self._queue) <= _MAX_QUEUED // 2 and self.transport is not None:
                     self._paused_reading = False
                     self.transport.resume_reading()
-                self._keep_alive = req.keep_alive
                 self._http11 = req.version == "1.1"
+                self._keep_alive = req.keep_alive and self._http11  # HTTP/1.0: one request per connection
                 self._chunked = False
                 try:
                     resp = await handler(req, self)
