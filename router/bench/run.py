@@ -93,8 +93,10 @@ def measure(port: int, n: int, concurrency: int, stream_n: int, pids: dict[str, 
     async def go() -> tuple[Run, Run, Run, dict[str, float]]:
         await load("127.0.0.1", port, "/v1/completions", SMALL, min(200, n), concurrency)  # warm up
         before = {k: cpu_s(p) for k, p in pids.items()}
+        client0 = time.process_time()
         small = await load("127.0.0.1", port, "/v1/completions", SMALL, n, concurrency)
         cpu = {k: (cpu_s(p) - before[k]) / n * 1e6 for k, p in pids.items()}
+        cpu["client"] = (time.process_time() - client0) / n * 1e6
         single = await load("127.0.0.1", port, "/v1/completions", SMALL, stream_n, 1)
         stream = await load("127.0.0.1", port, "/v1/completions", STREAM, stream_n, 1)
         return small, single, stream, cpu
