@@ -134,8 +134,17 @@ class Router:
         path = req.path
         if path in _LLM:
             if req.reject is None and req.method != "POST":
-                return error(405, f"method {req.method} not allowed on {path}")
-            return await self.handle_llm(req, conn)
+                resp: Response | None = error(405, f"method {req.method} not allowed on {path}")
+                return resp
+            try:
+                resp, status = await self._handle_llm(req, conn)
+            except ConnectionResetError:
+                raise
+            except Exception:  # a bug: still a JSON answer, still counted
+                log.exception("unexpected error handling %s", req.path)
+                resp, status = error(500, "internal router error; see the router's log", "internal_error"), 500
+            self.metrics.count_request(path, status)
+            return resp
         if req.reject is not None:
             return error(*req.reject)
         routes = self.routes.get(path)
@@ -158,18 +167,6 @@ class Router:
         return resp
 
     # -- inference routes -----------------------------------------------------------------
-    async def handle_llm(self, req: Request, conn: HttpConnection) -> Response | None:
-        try:
-            resp, status = await self._handle_llm(req, conn)
-        except ConnectionResetError:
-            raise
-        except Exception:  # a bug: still a JSON answer, still counted
-            log.exception("unexpected error handling %s", req.path)
-            resp = error(500, "internal router error; see the router's log", "internal_error")
-            status = 500
-        self.metrics.count_request(req.path, status)
-        return resp
-
     async def _handle_llm(self, req: Request, conn: HttpConnection) -> tuple[Response | None, int]:
         cfg = self.cfg
         if req.reject is not None:

@@ -391,7 +391,12 @@ class RedisState(RouterState):
 
     async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         self.request_commands += 1
-        return await self._view(hashes, want_ticket)
+        if self._up:  # the request path, inline: one coroutine level less per request
+            res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
+            if res is not None:
+                common, (ticket, matches) = cast(tuple[_Common, list], res)
+                return self._merge(common, matches, hashes), int(ticket)
+        return self.local.snapshot_sync(hashes), await self.local.next_ticket()
 
     async def _view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         if self._up:

@@ -247,12 +247,15 @@ class UpstreamPool:
                 c.close()
         self._idle.clear()
 
-    async def _connect(self, key: tuple[str, int]) -> UpstreamConn:
+    def _idle_conn(self, key: tuple[str, int]) -> UpstreamConn | None:
         idle = self._idle.get(key)
         while idle:
             c = idle.pop()
             if not c.closed:
                 return c
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> UpstreamConn:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, proto = await self.loop.create_connection(lambda: UpstreamConn(self, key), key[0], key[1])
@@ -267,7 +270,7 @@ class UpstreamPool:
         """Send a whole request (head and body); return the connection once the response head is
         in. Raises Unreached, UpstreamError or TimeoutError; the caller must ``release()``."""
         while True:
-            conn = await self._connect(key)
+            conn = self._idle_conn(key) or await self._connect(key)
             assert conn.transport is not None
             conn.transport.write(data)
             try:
