@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from router.config import WorkerSpec, worker_id
-from router.http11 import Request, Response, json_error, json_response
+from router.http_messages import Request, Response, json_error, json_response
 
 if TYPE_CHECKING:
     from router.proxy import Router

@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.http11 import HttpConnection, Request, Response, head_bytes, json_error
+from router.http11 import HttpConnection
+from router.http_messages import Request, Response, head_bytes, json_error
 from router.upstream import Unreached, UpstreamConn, UpstreamError, UpstreamPool
 
 log = logging.getLogger("gcache.router.forward")

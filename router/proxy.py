@@ -25,15 +25,8 @@ from router.admission import Admission, Rejected
 from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
 from router.forward import NeverReached, Target, Timeouts, forward
 from router.health import HealthChecker
-from router.http11 import (
-    HttpConnection,
-    HttpServer,
-    Request,
-    Response,
-    ServerLimits,
-    json_error,
-    json_response,
-)
+from router.http11 import HttpConnection, HttpServer
+from router.http_messages import Request, Response, ServerLimits, json_error, json_response
 from router.kv_fleet import KvFleet
 from router.l3 import L3Probe
 from router.metrics import RouterMetrics
