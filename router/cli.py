@@ -72,7 +72,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     d = RouterConfig()
     p.add_argument("--body-timeout", type=float, default=d.client_body_timeout_s,
-                   help="seconds a client has to send its request body (default: %(default)s)")
+                   help="seconds a client has to send a whole request, head and body, from its first byte (408 after; default: %(default)s)")
     p.add_argument("--connect-timeout", type=float, default=d.upstream_connect_timeout_s,
                    help="seconds to connect to a worker (default: %(default)s)")
     p.add_argument("--first-byte-timeout", type=float, default=d.upstream_first_byte_timeout_s,

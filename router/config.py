@@ -265,7 +265,7 @@ class WorkerSpec:
 class RouterConfig:
     """Everything one router replica needs. See ``gcache-router serve --help``.
 
-    client_body_timeout_s: a client must deliver its whole request body within this (408).
+    client_body_timeout_s: a client must deliver a whole request (head and body) within this of its first byte (408).
     upstream_connect_timeout_s: connecting to a worker; a refused, reset or timed-out connect
         never reached the worker and is retried on the next-best one (up to ``retries`` more).
     upstream_first_byte_timeout_s: from sending the request to the worker's response headers
