@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ class RedisState(RouterState):
         max_connections: int = 64,
     ) -> None:
         self.url = url
+        self.shown_url = re.sub(r"//[^@/]*@", "//***@", url)  # for logs: without the password
         self.prefix = prefix
         self.ns = namespace
         self.lease_s = lease_s
@@ -112,7 +114,7 @@ class RedisState(RouterState):
         self.pipelines = 0  # round trips the SYNC commands took
 
     def __repr__(self) -> str:
-        return f"RedisState(url={self.url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
+        return f"RedisState(url={self.shown_url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
 
     @property
     def degraded(self) -> bool:
@@ -174,7 +176,7 @@ class RedisState(RouterState):
         self._ops.clear()  # everything buffered before now is in the local truth just pushed
         self._up = True
         self.resyncs += 1
-        log.warning("redis reachable at %s; state resynchronised (replica %s)", self.url, self.replica)
+        log.warning("redis reachable at %s; state resynchronised (replica %s)", self.shown_url, self.replica)
         return True
 
     def _loop(self) -> asyncio.AbstractEventLoop:
