@@ -40,6 +40,16 @@ import redis.exceptions
 
 from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
+from router.redis_batch import (
+    FLUSH,
+    SNAPSHOT,
+    SNAPSHOT_TICKET,
+    STRICT_ACQUIRE,
+    Common,
+    commands,
+    deliver,
+    merge,
+)
 from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
 from router.resp import Arg, RespClient
 from router.state_base import Lease, RouterState, WorkerState
@@ -48,19 +58,6 @@ from router.state_memory import MemoryState
 log = logging.getLogger("gcache.router.state")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-_FLUSH, _SNAPSHOT, _SNAPSHOT_TICKET, _STRICT_ACQUIRE = 0, 1, 2, 3  # _call's modes; the script's: 0, 1, 3
-
-
-class _Common:
-    """The part of a snapshot every request of one batch shares: per worker its spec, the other
-    replicas' load, health and circuit state (decoded once per batch)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: list[tuple[str, int, int, int, bool, bool]]) -> None:
-        self.rows = rows
-
-
 class RedisState(RouterState):
     def __init__(
         self,
@@ -135,7 +132,7 @@ class RedisState(RouterState):
         if self._flush_timer is not None:
             self._flush_timer.cancel()
         if self._ops and self._up:
-            await self._call(_FLUSH, ())
+            await self._call(FLUSH, ())
         await self.fast.close()
         await self.r.aclose()
 
@@ -165,7 +162,7 @@ class RedisState(RouterState):
                 while self._missed:
                     w, hashes = self._missed[0]
                     await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
-                                           self.prefix.max_blocks_per_worker, _FLUSH, 1, 1,
+                                           self.prefix.max_blocks_per_worker, FLUSH, 1, 1,
                                            3 + len(hashes), "R", w, len(hashes), *hashes])
                     self._missed.popleft()
                 if v == self._version:
@@ -207,7 +204,7 @@ class RedisState(RouterState):
             self._flush_timer = loop.call_later(wait, self._flush_soon)
             return
         self.flush_commands += 1
-        loop.create_task(self._call(_FLUSH, ()))
+        loop.create_task(self._call(FLUSH, ()))
 
     async def _call(self, mode: int, hashes: Sequence[object]) -> object:
         """One SYNC call; None if Redis is unreachable. Calls issued in the same event-loop turn
@@ -224,35 +221,17 @@ class RedisState(RouterState):
         batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
         loop = self._loop()
-        if any(mode != _FLUSH for mode, _, _ in batch):
+        if any(mode != FLUSH for mode, _, _ in batch):
             self._last_send = loop.time()
         task = loop.create_task(self._run_batch(batch, ops))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    def _commands(self, batch: list, ops: list) -> list[list[Arg]]:
-        """The batch as script calls: one for every snapshot (carrying the buffered changes),
-        then one per strict acquire."""
+    async def _run_batch(self, batch: list, ops: list) -> None:
         b = self.local.breaker
         head: list[Arg] = ["EVALSHA", self._sync_sha, 0, self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
                            self.prefix.max_blocks_per_worker]
-        snaps = [(mode, hashes) for mode, hashes, _ in batch if mode in (_SNAPSHOT, _SNAPSHOT_TICKET)]
-        strict = [hashes for mode, hashes, _ in batch if mode == _STRICT_ACQUIRE]
-        cmds: list[list[Arg]] = []
-        if snaps or not strict:
-            cmd = [*head, 1 if snaps else 0, b.failures, b.open_s, len(ops), *ops]
-            if snaps:
-                cmd.append(len(snaps))
-                for mode, hashes in snaps:
-                    cmd += [1 if mode == _SNAPSHOT_TICKET else 0, len(hashes), *hashes]
-            cmds.append(cmd)
-        for i, hashes in enumerate(strict):
-            o = ops if i == 0 and not cmds else ()
-            cmds.append([*head, 3, b.failures, b.open_s, len(o), *o, *hashes])
-        return cmds
-
-    async def _run_batch(self, batch: list, ops: list) -> None:
-        cmds = self._commands(batch, ops)
+        cmds = commands(batch, ops, head, b.failures, b.open_s)
         results: list | None = None
         for attempt in (0, 1):
             try:
@@ -282,30 +261,9 @@ class RedisState(RouterState):
                 if not fut.done():
                     fut.set_result(None)
             return
-        k = 0
-        snap_res: list | None = None
-        common: _Common | None = None
-        if any(mode in (_SNAPSHOT, _SNAPSHOT_TICKET) for mode, _, _ in batch):
-            snap_res = results[0]
-            common = self._common(snap_res[0])
-            k = 1
-        elif not any(mode == _STRICT_ACQUIRE for mode, _, _ in batch):
-            k = 1
-        q = 0
-        for mode, _, fut in batch:
-            if fut.done():
-                continue
-            if mode == _STRICT_ACQUIRE:
-                fut.set_result(results[k])
-                k += 1
-            elif mode == _FLUSH:
-                fut.set_result([])
-            else:
-                assert snap_res is not None
-                fut.set_result((common, snap_res[1][q]))
-                q += 1
+        deliver(batch, results, self._common)
 
-    def _common(self, rows: list) -> _Common:
+    def _common(self, rows: list) -> Common:
         out = []
         for i, (name_b, spec_json, reqs, work, down, fails, is_open) in enumerate(rows):
             name = name_b.decode()
@@ -319,7 +277,7 @@ class RedisState(RouterState):
         for gone in [w for w in self.local.workers if w not in known]:
             self.local.remove_worker_sync(gone)  # removed through another replica
         out.sort()
-        return _Common(out)
+        return Common(out)
 
     def _keep_records(self, ops: list) -> None:
         i = 0
@@ -338,7 +296,7 @@ class RedisState(RouterState):
             return None
         if self._ops:  # changes made before this one go first (a removal must not be undone by them)
             self.background_commands += 1
-            await self._call(_FLUSH, ())
+            await self._call(FLUSH, ())
         self.background_commands += 1
         try:
             pipe = self.r.pipeline(transaction=True)
@@ -394,40 +352,19 @@ class RedisState(RouterState):
     async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         self.request_commands += 1
         if self._up:  # the request path, inline: one coroutine level less per request
-            res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
+            res = await self._call(SNAPSHOT_TICKET if want_ticket else SNAPSHOT, hashes)
             if res is not None:
-                common, (ticket, matches) = cast(tuple[_Common, list], res)
-                return self._merge(common, matches, hashes), int(ticket)
+                common, (ticket, matches) = cast(tuple[Common, list], res)
+                return merge(common, matches, hashes, self.local), int(ticket)
         return self.local.snapshot_sync(hashes), await self.local.next_ticket()
 
     async def _view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         if self._up:
-            res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
+            res = await self._call(SNAPSHOT_TICKET if want_ticket else SNAPSHOT, hashes)
             if res is not None:
-                common, (ticket, matches) = cast(tuple[_Common, list], res)
-                return self._merge(common, matches, hashes), int(ticket)
+                common, (ticket, matches) = cast(tuple[Common, list], res)
+                return merge(common, matches, hashes, self.local), int(ticket)
         return self.local.snapshot_sync(hashes), await self.local.next_ticket()
-
-    def _merge(self, common: _Common, matches: list, hashes: Sequence[int]) -> list[WorkerState]:
-        """Redis's view of the other replicas plus this replica's exact local counts."""
-        local = self.local
-        now = local.clock()
-        out = []
-        for name, i, reqs, work, down, is_open in common.rows:
-            spec = local.workers.get(name)
-            if spec is None:
-                continue  # removed locally since the batch was sent
-            own_r, own_w = local.loads.get(name)
-            m = int(matches[2 * i])
-            age_s = float(matches[2 * i + 1])
-            if hashes:
-                lm, lage = local.index.match_age(name, hashes, now)
-                m = max(m, lm)
-                age_s = min(age_s if age_s >= 0 else float("inf"), lage)
-            else:
-                age_s = age_s if age_s >= 0 else float("inf")
-            out.append(WorkerState(spec, not down, m, reqs + own_r, work + own_w, age_s, is_open))
-        return out
 
     async def next_ticket(self) -> int:
         return (await self._view((), True))[1]
@@ -443,7 +380,7 @@ class RedisState(RouterState):
                 return None
             if seen >= limit - strict_margin(limit):
                 self.request_commands += 1
-                ok = await self._call(_STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
+                ok = await self._call(STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
                 if ok is not None:
                     if not ok:
                         return None
