@@ -13,10 +13,9 @@ import time
 from typing import TYPE_CHECKING
 
 import aiohttp
-from aiohttp import web
 
 from router.config import WorkerSpec, worker_id
-from router.forward import json_error
+from router.http_messages import Request, Response, json_error, json_response
 
 if TYPE_CHECKING:
     from router.proxy import Router
@@ -28,41 +27,41 @@ class Admin:
         token = router.cfg.admin_token
         self._token = token.encode() if token else None
 
-    def _denied(self, request: web.Request) -> web.Response | None:
+    def _denied(self, request: Request) -> Response | None:
         if self._token is None:
             return json_error(403, "the admin API is off; start the router with --admin-token-file to turn it on",
                               "forbidden")
-        auth = request.headers.get("Authorization", "")
+        auth = request.header("Authorization") or ""
         given = auth[7:].encode() if auth.startswith("Bearer ") else b""
         if not hmac.compare_digest(given, self._token):
             return json_error(401, "the admin API needs 'Authorization: Bearer <admin token>'", "unauthorized",
                               {"WWW-Authenticate": 'Bearer realm="gcache-router admin"'})
         return None
 
-    async def list_workers(self, request: web.Request) -> web.Response:
+    async def list_workers(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
         salt = self.router.id_salt
         snap = await self.router.state.snapshot(())
-        return web.json_response({"workers": [
+        return json_response({"workers": [
             {**s.spec.to_dict(), "id": worker_id(s.spec, salt), "healthy": s.healthy,
              "circuit_open": s.circuit_open, "inflight_requests": s.inflight_requests,
              "pending_prefill_ms": s.pending_ms} for s in snap
         ]})
 
-    async def add_worker(self, request: web.Request) -> web.Response:
+    async def add_worker(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            spec = WorkerSpec.from_dict(await request.json())
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            spec = WorkerSpec.from_dict(request.json())  # type: ignore[arg-type]  # from_dict checks it
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             return json_error(400, f"bad worker: {e}", "invalid_request_error")
         await self.router.state.add_worker(spec)
         self.router.forget_ids()
-        return web.json_response({"added": {**spec.to_dict(), "id": worker_id(spec, self.router.id_salt)}},
+        return json_response({"added": {**spec.to_dict(), "id": worker_id(spec, self.router.id_salt)}},
                                  status=201)
 
-    async def remove_worker(self, request: web.Request) -> web.Response:
+    async def remove_worker(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
         url = request.query.get("url", "").rstrip("/")
@@ -71,24 +70,25 @@ class Admin:
         if not await self.router.state.remove_worker(url):
             return json_error(404, f"no worker {url!r}", "not_found")
         self.router.forget_ids()
-        return web.json_response({"removed": url})
+        return json_response({"removed": url})
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         snap = await self.router.state.snapshot(())
         llm = [s for s in snap if s.spec.role == "llm"]
         named = sorted({m for s in llm for m in s.spec.models})
         if named:
             now = int(time.time())
-            return web.json_response({"object": "list", "data": [
+            return json_response({"object": "list", "data": [
                 {"id": m, "object": "model", "created": now, "owned_by": "gcache-router"} for m in named]})
+        session = self.router.session
         for s in llm:
-            if not s.routable:
+            if not s.routable or session is None:
                 continue
             try:
-                async with self.router.session.get(s.name + "/v1/models",
+                async with session.get(s.name + "/v1/models",
                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
-                        return web.Response(body=await r.read(), content_type="application/json")
+                        return Response(200, await r.read(), "application/json")
             except (aiohttp.ClientError, TimeoutError):
                 continue
         return json_error(503, "no healthy worker answered /v1/models", "service_unavailable")

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from router.buckets import BucketMap
 from router.config import RouterConfig
@@ -96,7 +97,7 @@ class Admission:
         try:
             got = await asyncio.wait_for(asyncio.shield(w.fut), self.cfg.queue.max_wait_s)
             ok = True
-            return got
+            return cast(tuple[Lease, Decision], got)
         except TimeoutError:
             self.metrics.rejected.labels("queue_timeout").inc()
             raise Rejected(503, "queue_timeout",
@@ -151,6 +152,7 @@ class Admission:
             if p.outcome is not Outcome.ROUTED or not take(p):
                 return p, None
             d = p.decision
+            assert d is not None  # ROUTED
             limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
             lease = await self.state.acquire(d.worker, limit, p.work_ms, req.hashes)
             if lease is not None:

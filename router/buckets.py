@@ -45,6 +45,8 @@ class BucketMap:
         can serve a short prompt); failing that the next smaller; failing that none.
         """
         want = self.bucket_of(n_tokens)
+        if all(w.bucket is None for w in workers):  # the common case: every worker serves every length
+            return want, sorted(w.name for w in workers)
         n = len(self.cfg.ranges)
         order = list(range(want, n)) + list(range(want - 1, -1, -1))
         for b in order:

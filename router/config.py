@@ -7,6 +7,7 @@ value raises ``ValueError`` naming the field and what to change.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -227,8 +228,9 @@ class WorkerSpec:
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models
-    @property
-    def name(self) -> str:
+
+    @functools.cached_property
+    def name(self) -> str:  # computed once: the router reads it several times per request
         return self.url.rstrip("/")
 
     def to_dict(self) -> dict:
@@ -262,7 +264,7 @@ class WorkerSpec:
 class RouterConfig:
     """Everything one router replica needs. See ``gcache-router serve --help``.
 
-    client_body_timeout_s: a client must deliver its whole request body within this (408).
+    client_body_timeout_s: a client must deliver a whole request (head and body) within this of its first byte (408).
     upstream_connect_timeout_s: connecting to a worker; a refused, reset or timed-out connect
         never reached the worker and is retried on the next-best one (up to ``retries`` more).
     upstream_first_byte_timeout_s: from sending the request to the worker's response headers

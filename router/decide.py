@@ -23,7 +23,8 @@ class Outcome(enum.Enum):
     NO_MODEL = "no_model"  # no worker at all serves the requested model
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class Plan:
     outcome: Outcome
     bucket: int
@@ -49,33 +50,28 @@ def plan(
     """``l3_tokens``: leading prompt tokens any worker can load from the shared L3 tier; ``exclude``: workers not to use (already tried for this request); ``model``: only
     workers serving it (WorkerSpec.serves); ``exact``: prompt tokens a worker holds according
     to its own KV events, which replace the approximate index's guess for that worker."""
-    group_all = [s for s in states if s.spec.role == "llm" and s.spec.serves(model)]
+    group_all = [s for s in states if s.spec.role == "llm" and (model is None or s.spec.serves(model))]
     if model is not None and not group_all:
         return Plan(Outcome.NO_MODEL, 0)
-    llm = [s for s in group_all if s.routable and s.name not in exclude]
+    llm = [s for s in group_all if s.healthy and not s.circuit_open and (not exclude or s.name not in exclude)]
     bucket, names = buckets.group(n_tokens, llm)
     if not names:
         return Plan(Outcome.NO_WORKER, bucket)
     allowed = set(names)
-    group = [s for s in llm if s.name in allowed]
+    group = llm if len(names) == len(llm) else [s for s in llm if s.name in allowed]
     exact = exact or {}
-
-    def held(s: WorkerState) -> int:  # prompt tokens the worker holds
-        t = exact.get(s.name)
-        return min(n_tokens, s.matched_blocks * block_tokens if t is None else t)
-
+    # prompt tokens each worker holds
+    held = [min(n_tokens, s.matched_blocks * block_tokens if (t := exact.get(s.name)) is None else t)
+            for s in group] if exact else [min(n_tokens, s.matched_blocks * block_tokens) for s in group]
     l3_tokens = min(n_tokens, l3_tokens)
-    best = max(max(held(s) for s in group), l3_tokens)
-    free = [s for s in group if s.inflight_requests < s.spec.max_inflight]
-    if not free:
-        return Plan(Outcome.FULL, bucket, None, n_tokens - best)
+    best = max(max(held), l3_tokens)
     cands = []
-    for s in free:
-        h = held(s)
-        unc = n_tokens - h
-        l3 = max(0, l3_tokens - h)
-        cands.append(Candidate(s.name, h // block_tokens, s.inflight_requests, s.pending_ms, unc, l3, s.spec.speed,
-                               s.match_age_s * 1000.0))
+    for s, h in zip(group, held, strict=True):
+        if s.inflight_requests < s.spec.max_inflight:
+            cands.append(Candidate(s.name, h // block_tokens, s.inflight_requests, s.pending_ms, n_tokens - h,
+                                   max(0, l3_tokens - h), s.spec.speed, s.match_age_s * 1000.0))
+    if not cands:
+        return Plan(Outcome.FULL, bucket, None, n_tokens - best)
     d = policy.choose(RouteInput(n_blocks, n_tokens, ticket, key), cands)
     c = next(c for c in cands if c.name == d.worker)
     work = policy.cfg.cost.work(c.uncached_tokens - c.l3_tokens, c.l3_tokens)

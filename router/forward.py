@@ -1,12 +1,15 @@
-"""One upstream call: send a request body to a worker and stream its answer back.
+"""One upstream call: send a request body to a worker and pass its answer back to the client.
 
 Timeouts: connect (``upstream_connect_timeout_s``), first byte (response headers within
 ``upstream_first_byte_timeout_s``), idle (each later chunk, read from the worker and written
 to the client, within ``upstream_idle_timeout_s``). Failures are classified once, here:
 a request that never reached the worker (connection refused, reset or closed before any
 response byte, connect timeout) raises ``NeverReached`` so the caller can retry it on
-another worker (``router.upstream`` classifies); every other outcome is a ``Forwarded`` with the response the client got
-and whether it counts as a success for the worker's circuit breaker.
+another worker (``router.upstream`` classifies); every other outcome is a ``Forwarded``
+saying whether it counts as a success for the worker's circuit breaker.
+
+A short answer (``Content-Length`` up to ``WHOLE_BODY_MAX``, not an event stream) is read
+whole and written to the client in one write; anything else streams chunk by chunk.
 """
 
 from __future__ import annotations
@@ -15,19 +18,22 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from aiohttp import web
-from multidict import CIMultiDict
-
-from router.upstream import Response, Unreached, UpstreamError, UpstreamPool
+from router.http11 import HttpConnection
+from router.http_messages import Request, Response, head_bytes, json_error
+from router.upstream import Unreached, UpstreamConn, UpstreamError, UpstreamPool
 
 log = logging.getLogger("gcache.router.forward")
 
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-                         "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"})
-RESPONSE_DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding",
-                           "date", "server"})
+HOP_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"upgrade",
+                         b"proxy-authorization", b"proxy-connection", b"te", b"trailer", b"accept-encoding",
+                         b"expect"})
+RESPONSE_DROP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
+                           b"content-encoding", b"date", b"server"})
 WHOLE_BODY_MAX = 1 << 20  # non-streamed answers up to this size are read whole and sent in one write
+
+__all__ = ["Forwarded", "NeverReached", "Target", "Timeouts", "forward", "json_error"]
 
 
 class NeverReached(Exception):
@@ -40,24 +46,42 @@ class Timeouts:
     idle_s: float
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where a worker URL points: the pool key and the Host header."""
+
+    key: tuple[str, int]
+    host: bytes
+
+    @classmethod
+    def of(cls, url: str) -> Target:
+        u = urlsplit(url)
+        return cls((u.hostname or "127.0.0.1", u.port or 80), u.netloc.encode("latin-1"))
+
+
 @dataclass
 class Forwarded:
-    response: web.StreamResponse
+    response: Response | None  # None: the answer was already written to the client
     ok: bool  # for the circuit breaker: False on a 5xx, a timeout or a broken stream
     status: int
 
 
-def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status, headers=headers)
+def request_bytes(req: Request, target: Target) -> bytes:
+    """The upstream request: the client's own headers minus hop-by-hop ones, the body as sent."""
+    parts = [b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
+             % (req.path_qs.encode("utf-8", "surrogateescape"), target.host, len(req.body))]
+    for k, v in req.headers:
+        if k.lower() not in HOP_HEADERS:
+            parts.append(b"%s: %s\r\n" % (k, v))
+    parts.append(b"\r\n")
+    parts.append(req.body)
+    return b"".join(parts)
 
 
-async def forward(pool: UpstreamPool, request: web.Request, body: bytes, url: str, t: Timeouts,
-                  response_headers: dict[str, str], on_first_byte: Callable[[], Awaitable[None]]) -> Forwarded:
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+async def forward(pool: UpstreamPool, req: Request, conn: HttpConnection, target: Target, t: Timeouts,
+                  extra_headers: list[bytes], on_first_byte: Callable[[], Awaitable[None]]) -> Forwarded:
     try:
-        async with asyncio.timeout(t.first_byte_s):
-            up = await pool.post(url, headers, body)
+        up = await pool.post(target.key, request_bytes(req, target), t.first_byte_s)
     except Unreached as e:
         raise NeverReached(str(e)) from None
     except TimeoutError:
@@ -67,43 +91,50 @@ async def forward(pool: UpstreamPool, request: web.Request, body: bytes, url: st
         return Forwarded(json_error(502, f"the worker failed: {e}", "upstream_error"), False, 502)
     ok = up.status < 500
     try:
-        hdrs = [(k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP]
-        hdrs += response_headers.items()
-        ctype = up.header("Content-Type") or ""
-        if up.content_length is not None and up.content_length <= WHOLE_BODY_MAX \
-                and not ctype.startswith("text/event-stream"):
-            async with asyncio.timeout(t.idle_s):
-                data = await up.read()
-            return Forwarded(web.Response(body=data, status=up.status, reason=up.reason, headers=CIMultiDict(hdrs)),
-                             ok, up.status)
-        return await _stream(request, up, CIMultiDict(hdrs), t, on_first_byte, ok, url)
+        hdrs = [b"%s: %s\r\n" % (k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP]
+        hdrs += extra_headers
+        ctype = up.header("Content-Type") or b""
+        if up.complete or (up.content_length is not None and up.content_length <= WHOLE_BODY_MAX
+                           and not ctype.startswith(b"text/event-stream")):
+            parts = []
+            while chunks := await up.next_chunks(t.idle_s):
+                parts += chunks
+            body = b"".join(parts)
+            hdrs.append(b"Content-Length: %d\r\n" % len(body))
+            conn.write(head_bytes(up.status, hdrs, conn.keep_alive, up.reason) + body)
+            return Forwarded(None, ok, up.status)
+        return await _stream(conn, up, hdrs, t, on_first_byte, ok, target)
     except (TimeoutError, UpstreamError) as e:
-        log.warning("worker %s failed mid-response: %s: %s", url, type(e).__name__, e)
+        log.warning("worker %s failed mid-response: %s: %s", target.key, type(e).__name__, e)
         return Forwarded(json_error(502, f"the worker failed mid-response: {type(e).__name__}", "upstream_error"),
                          False, 502)
     finally:
         up.release()
 
 
-async def _stream(request: web.Request, up: Response, hdrs: CIMultiDict, t: Timeouts,
-                  on_first_byte: Callable[[], Awaitable[None]], ok: bool, url: str) -> Forwarded:
-    out = web.StreamResponse(status=up.status, reason=up.reason, headers=hdrs)
-    await out.prepare(request)
-    loop = asyncio.get_running_loop()
+async def _stream(conn: HttpConnection, up: UpstreamConn, hdrs: list[bytes], t: Timeouts,
+                  on_first_byte: Callable[[], Awaitable[None]], ok: bool, target: Target) -> Forwarded:
+    conn.write_head(up.status, hdrs, up.reason)
     first = True
     try:
-        async with asyncio.timeout(t.idle_s) as deadline:
-            async for chunk in up.iter_chunks():
-                if first:
-                    await on_first_byte()
-                    first = False
-                await out.write(chunk)
-                deadline.reschedule(loop.time() + t.idle_s)
-        await out.write_eof()
+        while True:
+            chunks = await up.next_chunks(t.idle_s)
+            if not chunks:
+                break
+            if first:
+                await on_first_byte()
+                first = False
+            for c in chunks:
+                conn.write_chunk(c)
+            if conn.write_paused:
+                await asyncio.wait_for(conn.drain(), t.idle_s)
+        conn.write_eof()
     except ConnectionResetError:
-        log.debug("client went away while streaming from %s", url)
+        log.debug("client went away while streaming from %s", target.key)
+        conn.abort()
     except (TimeoutError, UpstreamError) as e:
-        # headers are sent: the client sees a truncated stream
-        log.warning("worker %s failed mid-stream: %s: %s", url, type(e).__name__, e)
+        # headers are sent: the client sees the stream end early
+        log.warning("worker %s failed mid-stream: %s: %s", target.key, type(e).__name__, e)
+        conn.write_eof()
         ok = False
-    return Forwarded(out, ok, up.status)
+    return Forwarded(None, ok, up.status)

@@ -115,10 +115,11 @@ class ExactIndex:
         if ev.parent_block_hash is None:
             prev = 0
         else:
-            prev = w.router_of.get(ev.parent_block_hash)
-            if prev is None:
+            parent = w.router_of.get(ev.parent_block_hash)
+            if parent is None:
                 self.skipped += full
                 return
+            prev = parent
         held = w.held.setdefault(ev.medium or GPU, set())
         for i in range(full):
             page = ev.token_ids[i * p : (i + 1) * p]

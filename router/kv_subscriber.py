@@ -126,7 +126,7 @@ class KvEventSubscriber:
                     if self.last_seq is None or seq > self.last_seq:
                         self._apply(seq, payload)
                         applied = True
-            if applied:  # live batches up to here may still be queued on the SUB socket
+            if applied and self.last_seq is not None:  # live batches up to here may still be queued
                 self._dup_until = self.last_seq
             return True
         except TimeoutError:

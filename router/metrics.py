@@ -45,6 +45,12 @@ class RouterMetrics:
         self._prompt = 0
         self._cached = 0
         self._children: dict[tuple, object] = {}  # labels() costs tens of microseconds: look each up once
+        # The request path only bumps these plain counts; render() moves them into the registry.
+        self._requests: dict[tuple[str, int], int] = {}
+        self._decisions: dict[tuple[str, str], int] = {}
+        self._synced: dict[tuple, int] = {}
+        self._synced_prompt = 0
+        self._synced_cached = 0
 
     def child(self, metric, *labels: str):
         key = (id(metric), *labels)
@@ -54,14 +60,26 @@ class RouterMetrics:
         return c
 
     def count_request(self, route: str, status: int) -> None:
-        self.child(self.requests, route, str(status)).inc()
+        k = (route, status)
+        self._requests[k] = self._requests.get(k, 0) + 1
 
     def routed(self, policy: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
-        self.child(self.decisions, policy, reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
+        k = (policy, reason)
+        self._decisions[k] = self._decisions.get(k, 0) + 1
         self._prompt += prompt_tokens
         self._cached += cached_tokens
+
+    def _sync(self) -> None:
+        for metric, counts in ((self.requests, self._requests), (self.decisions, self._decisions)):
+            for labels, n in list(counts.items()):
+                key = (id(metric), *labels)
+                d = n - self._synced.get(key, 0)
+                if d:
+                    self.child(metric, *map(str, labels)).inc(d)
+                    self._synced[key] = n
+        self.prompt_tokens.inc(self._prompt - self._synced_prompt)
+        self.cached_tokens.inc(self._cached - self._synced_cached)
+        self._synced_prompt, self._synced_cached = self._prompt, self._cached
         if self._prompt:
             self.hit_rate.set(self._cached / self._prompt)
 
@@ -76,4 +94,5 @@ class RouterMetrics:
             self.worker_healthy.labels(wid).set(1 if s.healthy else 0)
 
     def render(self) -> bytes:
+        self._sync()
         return generate_latest(self.registry)

@@ -51,7 +51,8 @@ class Reason(enum.Enum):
     ENCODER_AFFINITY = "encoder_affinity"
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class Candidate:
     """One eligible worker as a policy sees it."""
 
@@ -65,7 +66,8 @@ class Candidate:
     match_age_ms: float = float("inf")
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class RouteInput:
     """What a policy knows about the request."""
 
@@ -75,7 +77,8 @@ class RouteInput:
     key: int = 0  # request identity (its last block hash): spreads ties deterministically
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class Decision:
     worker: str
     reason: Reason
@@ -144,19 +147,30 @@ class MinTTFT(Policy):
         return self.cfg.cost.ms(c.uncached_tokens - c.l3_tokens, c.l3_tokens)
 
     def scores(self, cands: Sequence[Candidate]) -> dict[str, float]:
-        own = {c.name: self.own_ms(c) for c in cands}
-        least = min(own.values())
-        warm = min(cands, key=lambda c: (own[c.name], c.match_age_ms))
-        hot = own[warm.name] >= self.cfg.hot_load * warm.match_age_ms
-        others = [c.pending_ms / c.speed for c in cands if c.name != warm.name]
+        return {c.name: s for c, s in zip(cands, self._scores(cands), strict=True)}
+
+    def _scores(self, cands: Sequence[Candidate]) -> list[float]:
+        cfg = self.cfg
+        own = [self.own_ms(c) for c in cands]
+        least = min(own)
+        w = min(range(len(cands)), key=lambda i: (own[i], cands[i].match_age_ms))
+        hot = own[w] >= cfg.hot_load * cands[w].match_age_ms
+        others = [c.pending_ms / c.speed for i, c in enumerate(cands) if i != w]
         busy = sum(others) / len(others) if others else 0.0
-        k = 0.0 if hot else self.cfg.affinity_weight + busy / self.cfg.busy_scale_ms
-        return {c.name: (c.pending_ms + own[c.name]) / c.speed + self.cfg.inflight_penalty_ms * c.inflight_requests
-                + k * (own[c.name] - least) for c in cands}
+        k = 0.0 if hot else cfg.affinity_weight + busy / cfg.busy_scale_ms
+        pen = cfg.inflight_penalty_ms
+        return [(c.pending_ms + o) / c.speed + pen * c.inflight_requests + k * (o - least)
+                for c, o in zip(cands, own, strict=True)]
 
     def choose(self, req: RouteInput, cands: Sequence[Candidate]) -> Decision:
-        s = self.scores(cands)
-        best = min(cands, key=lambda c: (s[c.name], c.inflight_requests, tiebreak(c.name, req.key)))
+        if len(cands) == 1:
+            best = cands[0]
+        else:
+            s = self._scores(cands)
+            lo = min((s[i], c.inflight_requests) for i, c in enumerate(cands))
+            tied = [c for i, c in enumerate(cands) if (s[i], c.inflight_requests) == lo]
+            # the rendezvous hash only among exact ties (it is the costly part of the key)
+            best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: tiebreak(c.name, req.key))
         longest = max(c.matched_blocks for c in cands)
         if longest == 0:
             reason = Reason.COLD

@@ -1,5 +1,6 @@
-"""The HTTP edge: an aiohttp reverse proxy for /v1/completions, /v1/chat/completions
-and /generate, plus /health, /metrics and the /admin/workers API.
+"""The HTTP edge: a reverse proxy for /v1/completions, /v1/chat/completions and /generate,
+plus /health, /metrics, /v1/models and the /admin/workers API, on the router's own HTTP/1.1
+server (``router.http11``).
 
 Request bodies are forwarded byte-exact; responses (SSE included) are streamed
 back chunk by chunk as they arrive. Every error the router itself produces is
@@ -10,19 +11,22 @@ is passed back with the upstream's status and body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-from aiohttp import web
 
 from router.admin import Admin
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
-from router.forward import NeverReached, Timeouts, forward, json_error
+from router.forward import NeverReached, Target, Timeouts, forward
 from router.health import HealthChecker
+from router.http11 import HttpConnection, HttpServer
+from router.http_messages import Request, Response, ServerLimits, json_error, json_response
 from router.kv_fleet import KvFleet
 from router.l3 import L3Probe
 from router.metrics import RouterMetrics
@@ -37,10 +41,11 @@ from router.upstream import UpstreamPool
 log = logging.getLogger("gcache.router.proxy")
 
 LLM_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+_LLM = frozenset(LLM_ROUTES)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error",
-          headers: dict[str, str] | None = None) -> web.Response:
+          headers: dict[str, str] | None = None) -> Response:
     return json_error(status, message, kind, headers)
 
 
@@ -71,11 +76,14 @@ class Router:
         self.timeouts = Timeouts(cfg.upstream_first_byte_timeout_s, cfg.upstream_idle_timeout_s)
         self.id_salt = cfg.worker_id_salt or cfg.namespace
         self._ids: dict[str, str] = {}
+        self._targets: dict[str, Target] = {}
+        self.routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {}
+        self.access_log: logging.Logger | None = None  # --access-log
 
     def __repr__(self) -> str:
         return f"Router(policy={self.policy.name}, state={self.state!r})"
 
-    async def start(self, app: web.Application) -> None:
+    async def start(self) -> None:
         self.session = aiohttp.ClientSession(auto_decompress=False)  # health checks
         self.upstream = UpstreamPool(self.cfg.upstream_connect_timeout_s)
         await self.state.start()
@@ -92,11 +100,12 @@ class Router:
 
     async def _kv_loop(self) -> None:
         """Keep one KV event subscriber per publishing worker, as workers come and go."""
+        assert self.kv is not None
         while not self._stopping.is_set():
             self.kv.reconcile(self.state.known_specs())
             await asyncio.sleep(self.cfg.health_interval_s)
 
-    async def stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         self._stopping.set()
         if self.kv is not None:
             await self.kv.close()
@@ -112,41 +121,62 @@ class Router:
             await self.upstream.close()
         await self.state.close()
 
-    # -- inference routes -----------------------------------------------------------------
-    async def handle_llm(self, request: web.Request) -> web.StreamResponse:
-        try:
-            resp = await self._handle_llm(request)
-        except Exception:  # a bug: still a JSON answer, still counted
-            log.exception("unexpected error handling %s", request.path)
-            resp = error(500, "internal router error; see the router's log", "internal_error")
-        self.metrics.count_request(request.path, resp.status)
+    # -- dispatch ---------------------------------------------------------------------------
+    async def handle(self, req: Request, conn: HttpConnection) -> Response | None:
+        """The server's one handler: route by path and method."""
+        path = req.path
+        if path in _LLM:
+            if req.reject is None and req.method != "POST":
+                resp: Response | None = error(405, f"method {req.method} not allowed on {path}")
+                return resp
+            try:
+                resp, status = await self._handle_llm(req, conn)
+            except ConnectionResetError:
+                raise
+            except Exception:  # a bug: still a JSON answer, still counted
+                log.exception("unexpected error handling %s", req.path)
+                resp, status = error(500, "internal router error; see the router's log", "internal_error"), 500
+            self.metrics.count_request(path, status)
+            return resp
+        if req.reject is not None:
+            return error(*req.reject)
+        routes = self.routes.get(path)
+        if routes is None:
+            return error(404, f"unknown route {path}; routes: {', '.join(LLM_ROUTES)}, /v1/models, /health, "
+                              "/metrics, /admin/workers", "not_found")
+        handler = routes.get(req.method)
+        if handler is None:
+            return error(405, f"method {req.method} not allowed on {path}")
+        return await handler(req)
+
+    async def handle_logged(self, req: Request, conn: HttpConnection) -> Response | None:
+        """``handle`` plus one access-log line per request (off the hot path unless asked for)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        resp = await self.handle(req, conn)
+        if self.access_log is not None:
+            self.access_log.info("%s %s %s %.1fms", req.method, req.path,
+                                 resp.status if resp is not None else "streamed", (loop.time() - t0) * 1000)
         return resp
 
-    async def _handle_llm(self, request: web.Request) -> web.StreamResponse:
+    # -- inference routes -----------------------------------------------------------------
+    async def _handle_llm(self, req: Request, conn: HttpConnection) -> tuple[Response | None, int]:
         cfg = self.cfg
-        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-            return error(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                              f"{cfg.max_body_bytes} bytes")
+        if req.reject is not None:
+            return error(*req.reject), req.reject[0]
         try:
-            async with asyncio.timeout(cfg.client_body_timeout_s):
-                body = await request.read()
-        except TimeoutError:
-            return error(408, f"the request body did not arrive within {cfg.client_body_timeout_s:g}s "
-                              f"(Content-Length {request.content_length})")
-        except web.HTTPRequestEntityTooLarge:
-            return error(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
-        try:
-            obj = json.loads(body)
+            obj = json.loads(req.body)
         except RecursionError:
-            return error(400, "request body is nested too deeply to be parsed")
+            return error(400, "request body is nested too deeply to be parsed"), 400
         except (ValueError, UnicodeDecodeError) as e:
-            return error(400, f"request body is not valid JSON: {e}")
+            return error(400, f"request body is not valid JSON: {e}"), 400
         try:
-            parsed = parse_request(request.path, obj, cfg.prefix, self.tok)
+            parsed = parse_request(req.path, obj, cfg.prefix, self.tok)
         except BadRequest as e:
-            return error(400, str(e))
+            return error(400, str(e)), 400
         except RecursionError:
-            return error(400, "request body is nested too deeply to be routed")
+            return error(400, "request body is nested too deeply to be routed"), 400
+        assert self.upstream is not None, "the router is not started"
         l3_tokens = await self.l3.loadable_tokens(parsed.token_ids) if self.l3 is not None else 0
         tried: set[str] = set()
         failure = ""
@@ -156,14 +186,15 @@ class Router:
             except Rejected as e:
                 if tried:
                     return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
-                                 "upstream_error")
+                                 "upstream_error"), 502
                 headers = {"Retry-After": str(int(e.retry_after + 0.999))} if e.retry_after else None
-                return error(e.status, str(e), e.reason if e.status == 404 else "service_unavailable", headers)
+                kind = e.reason if e.status == 404 else "service_unavailable"
+                return error(e.status, str(e), kind, headers), e.status
             worker = decision.worker
             try:
-                extra = {"X-Gcache-Worker": self.worker_id(worker)} if cfg.worker_header else {}
-                res = await forward(self.upstream, request, body, worker + request.path_qs, self.timeouts,
-                                    extra, functools.partial(self.state.prefill_done, lease))
+                extra = [b"X-Gcache-Worker: %s\r\n" % self.worker_id(worker).encode()] if cfg.worker_header else []
+                res = await forward(self.upstream, req, conn, self.target(worker), self.timeouts, extra,
+                                    functools.partial(self.state.prefill_done, lease))
             except NeverReached as e:
                 failure = str(e)
                 tried.add(worker)
@@ -175,19 +206,25 @@ class Router:
             finally:
                 await self.admission.release(lease)
             await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
-            return res.response
-        return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error")
+            return res.response, res.status
+        return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error"), 502
+
+    def target(self, worker: str) -> Target:
+        t = self._targets.get(worker)
+        if t is None:
+            t = self._targets[worker] = Target.of(worker)
+        return t
 
     # -- admin, health, metrics -----------------------------------------------------------
-    async def handle_health(self, request: web.Request) -> web.Response:
+    async def handle_health(self, req: Request) -> Response:
         mode = "memory" if isinstance(self.state, MemoryState) else ("degraded" if self.state.degraded else "redis")
-        return web.json_response({"status": "ok", "state": mode, "queue_depth": self.admission.depth()})
+        return json_response({"status": "ok", "state": mode, "queue_depth": self.admission.depth()})
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
+    async def handle_metrics(self, req: Request) -> Response:
         self.metrics.set_workers(await self.state.snapshot(()), self.worker_id)
         self.metrics.redis_up.set(0 if self.state.degraded else 1)
         self.metrics.redis_errors.set(getattr(self.state, "errors", 0))
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        return Response(200, self.metrics.render(), "text/plain; charset=utf-8")
 
     def forget_ids(self) -> None:
         self._ids.clear()
@@ -201,37 +238,73 @@ class Router:
         return wid
 
 
-APP_KEY = web.AppKey("router", Router)
+APP_KEY = "router"
 
 
-@web.middleware
-async def json_errors(request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Turn aiohttp's plain-text HTTP errors (404, 405, 413...) into JSON with a message."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
+class RouterApp:
+    """A router replica and its HTTP server: ``start(host, port)``, ``stop()``; ``app[APP_KEY]``
+    is the ``Router``."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.server: HttpServer | None = None
+
+    def __getitem__(self, key: str) -> Router:
+        if key != APP_KEY:
+            raise KeyError(key)
+        return self.router
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> list[tuple[str, int]]:
+        cfg = self.router.cfg
+        await self.router.start()
+        handler = self.router.handle if self.router.access_log is None else self.router.handle_logged
+        self.server = HttpServer(handler, ServerLimits(max_body_bytes=cfg.max_body_bytes,
+                                                                  request_timeout_s=cfg.client_body_timeout_s))
+        try:
+            return await self.server.start(host, port, reuse_port)
+        except BaseException:
+            await self.router.stop()
             raise
-        msg = {404: f"unknown route {request.path}; routes: {', '.join(LLM_ROUTES)}, /v1/models, /health, "
-                    "/metrics, /admin/workers",
-               405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
-        return error(e.status, msg, "not_found" if e.status == 404 else "invalid_request_error")
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        await self.router.stop()
 
 
-def build_app(cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState | None = None) -> web.Application:
+def build_app(cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState | None = None) -> RouterApp:
     router = Router(cfg, workers, state)
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_errors])
-    app[APP_KEY] = router
-    for path in LLM_ROUTES:
-        app.router.add_post(path, router.handle_llm)
-    app.router.add_get("/health", router.handle_health)
-    app.router.add_get("/metrics", router.handle_metrics)
     admin = Admin(router)
-    app.router.add_get("/v1/models", admin.models)
-    app.router.add_get("/admin/workers", admin.list_workers)
-    app.router.add_post("/admin/workers", admin.add_worker)
-    app.router.add_delete("/admin/workers", admin.remove_worker)
-    app.on_startup.append(router.start)
-    app.on_cleanup.append(router.stop)
-    return app
+    Handler = Callable[[Request], Awaitable[Response]]
+    routes: dict[str, dict[str, Handler]] = {
+        "/health": {"GET": router.handle_health},
+        "/metrics": {"GET": router.handle_metrics},
+        "/v1/models": {"GET": admin.models},
+        "/admin/workers": {"GET": admin.list_workers, "POST": admin.add_worker, "DELETE": admin.remove_worker},
+    }
+    router.routes = routes
+    return RouterApp(router)
+
+
+def run(app: RouterApp, host: str, port: int, on_listening: Callable[[str], None] = print) -> None:
+    """Serve until SIGINT or SIGTERM, on uvloop when it is installed."""
+    async def main() -> None:
+        addrs = await app.start(host, port)
+        on_listening(", ".join(f"http://{h}:{p}" for h, p in addrs))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await app.stop()
+
+    try:
+        import uvloop
+    except ImportError:  # the router extra installs it; without it the router still runs, slower
+        log.warning("uvloop not installed; using the default asyncio loop")
+        asyncio.run(main())
+        return
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(main())

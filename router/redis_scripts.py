@@ -31,11 +31,16 @@ local function record(w, first, last)
 end
 """
 
-# The one call a request makes. ARGV: ns, me, ttl, lease_s, max_blocks, mode (0 flush only,
-# 1 snapshot, 2 snapshot + round-robin ticket, 3 strict acquire), breaker failures, breaker
-# open_s, k, then k op arguments, then the request's block hashes (mode 3: worker, limit,
-# work, n, then the n hashes: admit only if every replica together has fewer than limit in
-# flight on the worker; returns 1 or 0). Ops (this replica's changes since its last call):
+# The one call a request makes, shared by every request of one event-loop turn. ARGV: ns, me,
+# ttl, lease_s, max_blocks, mode (0 flush only, 1 snapshots, 3 strict acquire), breaker
+# failures, breaker open_s, k, then k op arguments, then
+#   mode 1: q, then per request: want_ticket (0/1), n, its n block hashes. Returns
+#           {rows, per_request}: rows = {name, spec, reqs, work, down, fails, open} per worker
+#           (other replicas' load), per_request = {ticket, {match, age, match, age, ...}} in
+#           the order of rows;
+#   mode 3: worker, limit, work, n, then the n hashes: admit only if every replica together
+#           has fewer than limit in flight on the worker; returns 1 or 0.
+# Ops (this replica's changes since its last call):
 #   A w work n h1..hn   a request admitted: +1 request, +work, its n block hashes recorded
 #   D w dreqs dwork     a request's counts adjusted (first byte, finished)
 #   C w ok              a circuit-breaker outcome (ok = 1 success, 0 failure)
@@ -100,7 +105,7 @@ for _, r in ipairs(redis.call('ZRANGE', ns .. ':replicas', 0, -1)) do
   if r ~= me then others[#others + 1] = ns .. ':load:' .. r end
 end
 local ws = redis.call('HGETALL', ns .. ':workers')
-local rows = {}
+local rows, names = {}, {}
 for a = 1, #ws, 2 do
   local name = ws[a]
   local reqs, work = 0, 0
@@ -109,20 +114,34 @@ for a = 1, #ws, 2 do
     reqs = reqs + (tonumber(v[1]) or 0)
     work = work + (tonumber(v[2]) or 0)
   end
-  local m, key, age = 0, ns .. ':px:' .. name, -1
-  for j = stop + 1, #ARGV do
-    local s = redis.call('ZSCORE', key, ARGV[j])
-    if (not s) or tonumber(s) < now - ttl then break end
-    m = m + 1
-    age = now - tonumber(s)
-  end
   local cb = redis.call('HMGET', ns .. ':cb', 'f:' .. name, 'o:' .. name)
-  rows[#rows + 1] = {name, ws[a + 1], reqs, work, m, tostring(age), redis.call('SISMEMBER', ns .. ':down', name),
+  names[#names + 1] = name
+  rows[#rows + 1] = {name, ws[a + 1], reqs, work, redis.call('SISMEMBER', ns .. ':down', name),
                      tonumber(cb[1]) or 0, (tonumber(cb[2]) or 0) > now and 1 or 0}
 end
-local ticket = 0
-if mode == 2 then ticket = redis.call('INCR', ns .. ':rr') end
-return {ticket, rows}
+-- per request: a round-robin ticket if asked, then (match, age) per worker for its hashes
+local out = {}
+local j = stop + 2
+for q = 1, tonumber(ARGV[stop + 1]) do
+  local n = tonumber(ARGV[j + 1])
+  local ticket = 0
+  if ARGV[j] == '1' then ticket = redis.call('INCR', ns .. ':rr') end
+  local ms = {}
+  for _, name in ipairs(names) do
+    local m, key, age = 0, ns .. ':px:' .. name, -1
+    for h = j + 2, j + 1 + n do
+      local s = redis.call('ZSCORE', key, ARGV[h])
+      if (not s) or tonumber(s) < now - ttl then break end
+      m = m + 1
+      age = now - tonumber(s)
+    end
+    ms[#ms + 1] = m
+    ms[#ms + 1] = tostring(age)
+  end
+  out[#out + 1] = {ticket, ms}
+  j = j + 2 + n
+end
+return {rows, out}
 """
 )
 

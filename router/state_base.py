@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from router.config import WorkerSpec
 
 
-@dataclass(frozen=True)
+# not frozen: built per request, and a frozen dataclass costs several times as much to build
+@dataclass(slots=True)
 class WorkerState:
     """A worker as seen at one instant: its spec, health, prefix match and load
     (in-flight requests, and pending prefill work in estimated milliseconds)."""

@@ -9,6 +9,10 @@ a timer flushes them within ``flush_delay_s`` when no request comes (off the req
 Commands issued in the same event-loop turn go out as one pipeline, so under load many
 requests share a round trip.
 
+The hot command goes over the replica's own pipelined RESP connection (``router.resp``); the
+snapshots of one event-loop turn are one script run (mode 1 of ``SYNC``), which computes the
+workers' shared state once and each request's prefix match. redis-py serves everything else.
+
 A replica's own load is always its exact local count; other replicas' load is as of their
 last call (at most ``flush_delay_s`` old). Far from a worker's ``max_inflight`` that is
 enough; within ``strict_margin`` of it admission takes a second round trip, an atomic check
@@ -25,25 +29,35 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
+from router.redis_batch import (
+    FLUSH,
+    SNAPSHOT,
+    SNAPSHOT_TICKET,
+    STRICT_ACQUIRE,
+    Common,
+    commands,
+    deliver,
+    merge,
+)
 from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
+from router.resp import Arg, RespClient
 from router.state_base import Lease, RouterState, WorkerState
 from router.state_memory import MemoryState
 
 log = logging.getLogger("gcache.router.state")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-_FLUSH, _SNAPSHOT, _SNAPSHOT_TICKET, _STRICT_ACQUIRE = 0, 1, 2, 3
-
-
 class RedisState(RouterState):
     def __init__(
         self,
@@ -58,6 +72,7 @@ class RedisState(RouterState):
         max_connections: int = 64,
     ) -> None:
         self.url = url
+        self.shown_url = re.sub(r"//[^@/]*@", "//***@", url)  # for logs: without the password
         self.prefix = prefix
         self.ns = namespace
         self.lease_s = lease_s
@@ -72,7 +87,10 @@ class RedisState(RouterState):
         self.r = aioredis.Redis(connection_pool=pool)
         self._sync = self.r.register_script(SYNC)
         self._sync_sha = self._sync.sha
+        self.fast = RespClient(url, timeout_s)  # the hot command's own pipelined connection
         self._batch: list[tuple[int, Sequence[object], asyncio.Future]] = []
+        self._loop_cache: asyncio.AbstractEventLoop | None = None
+        self._last_send = float("-inf")  # loop time a request's batch last went out
         self._inflight: set[asyncio.Task] = set()
         self._resync = self.r.register_script(RESYNC)
         self._heartbeat = self.r.register_script(HEARTBEAT)
@@ -93,7 +111,7 @@ class RedisState(RouterState):
         self.pipelines = 0  # round trips the SYNC commands took
 
     def __repr__(self) -> str:
-        return f"RedisState(url={self.url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
+        return f"RedisState(url={self.shown_url!r}, replica={self.replica}, up={self._up}, buffered={len(self._ops)})"
 
     @property
     def degraded(self) -> bool:
@@ -114,7 +132,8 @@ class RedisState(RouterState):
         if self._flush_timer is not None:
             self._flush_timer.cancel()
         if self._ops and self._up:
-            await self._call(_FLUSH, ())
+            await self._call(FLUSH, ())
+        await self.fast.close()
         await self.r.aclose()
 
     async def try_resync(self) -> bool:
@@ -129,10 +148,11 @@ class RedisState(RouterState):
                 return False
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
+            await self.fast.close()
             await self.r.script_load(SYNC)
             while True:
                 v = self._version
-                fields: list[object] = []
+                fields: list[Arg] = []
                 for w in self.local.workers:
                     r, t = self.local.loads.get(w)
                     fields += [f"r:{w}", r, f"t:{w}", t]
@@ -142,7 +162,7 @@ class RedisState(RouterState):
                 while self._missed:
                     w, hashes = self._missed[0]
                     await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
-                                           self.prefix.max_blocks_per_worker, _FLUSH, 1, 1,
+                                           self.prefix.max_blocks_per_worker, FLUSH, 1, 1,
                                            3 + len(hashes), "R", w, len(hashes), *hashes])
                     self._missed.popleft()
                 if v == self._version:
@@ -153,8 +173,15 @@ class RedisState(RouterState):
         self._ops.clear()  # everything buffered before now is in the local truth just pushed
         self._up = True
         self.resyncs += 1
-        log.warning("redis reachable at %s; state resynchronised (replica %s)", self.url, self.replica)
+        log.warning("redis reachable at %s; state resynchronised (replica %s)", self.shown_url, self.replica)
         return True
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, looked up once (Python 3.11's lookup costs a getpid() system call)."""
+        loop = self._loop_cache
+        if loop is None or loop.is_closed():
+            loop = self._loop_cache = asyncio.get_running_loop()
+        return loop
 
     # -- the buffered changes -------------------------------------------------------------
     def _buffer(self, *op: object) -> None:
@@ -163,18 +190,27 @@ class RedisState(RouterState):
             return
         self._ops.extend(op)
         if self._flush_timer is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_delay_s, self._flush_soon)
+            self._flush_timer = self._loop().call_later(self.flush_delay_s, self._flush_soon)
 
-    def _flush_soon(self) -> None:
+    def _flush_soon(self, force: bool = False) -> None:
+        """Send the buffered changes, unless a request sent its batch recently: then they ride on
+        the next one, or on this timer's next turn if requests stop (no extra round trip under load)."""
         self._flush_timer = None
-        if self._ops and self._up:
-            self.flush_commands += 1
-            asyncio.get_running_loop().create_task(self._call(_FLUSH, ()))
+        if not self._ops or not self._up:
+            return
+        loop = self._loop()
+        wait = self._last_send + self.flush_delay_s - loop.time()
+        if wait > 0 and not force:
+            self._flush_timer = loop.call_later(wait, self._flush_soon)
+            return
+        self.flush_commands += 1
+        loop.create_task(self._call(FLUSH, ()))
 
-    async def _call(self, mode: int, hashes: Sequence[object]) -> list | int | None:
-        """One SYNC command; None if Redis is unreachable. Commands issued in the same event-loop
-        turn share one pipeline (one round trip); the first carries every buffered change."""
-        loop = asyncio.get_running_loop()
+    async def _call(self, mode: int, hashes: Sequence[object]) -> object:
+        """One SYNC call; None if Redis is unreachable. Calls issued in the same event-loop turn
+        share one round trip, and their snapshots one script run; the first carries every
+        buffered change."""
+        loop = self._loop()
         fut = loop.create_future()
         self._batch.append((mode, hashes, fut))
         if len(self._batch) == 1:
@@ -184,25 +220,30 @@ class RedisState(RouterState):
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
-        task = asyncio.get_running_loop().create_task(self._run_batch(batch, ops))
+        loop = self._loop()
+        if any(mode != FLUSH for mode, _, _ in batch):
+            self._last_send = loop.time()
+        task = loop.create_task(self._run_batch(batch, ops))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
     async def _run_batch(self, batch: list, ops: list) -> None:
         b = self.local.breaker
-        fixed = [self.ns, self.replica, self.prefix.ttl_s, self.lease_s, self.prefix.max_blocks_per_worker]
+        head: list[Arg] = ["EVALSHA", self._sync_sha, 0, self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
+                           self.prefix.max_blocks_per_worker]
+        cmds = commands(batch, ops, head, b.failures, b.open_s)
+        results: list | None = None
         for attempt in (0, 1):
             try:
-                pipe = self.r.pipeline(transaction=False)
-                for i, (mode, hashes, _) in enumerate(batch):
-                    o = ops if i == 0 else ()
-                    pipe.evalsha(self._sync_sha, 0, *fixed, mode, b.failures, b.open_s, len(o), *o, *hashes)
                 self.pipelines += 1
-                results = await pipe.execute()
+                results = await self.fast.execute(cmds)
+                err = next((r for r in results if isinstance(r, Exception)), None)
+                if err is not None:
+                    raise err
                 break
             except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+                results = None
                 if attempt:
-                    results = None
                     break
                 with contextlib.suppress(*_REDIS_ERRORS):
                     await self.r.script_load(SYNC)
@@ -211,9 +252,32 @@ class RedisState(RouterState):
                 self._keep_records(ops)
                 results = None
                 break
-        for k, (_, _, fut) in enumerate(batch):
-            if not fut.done():
-                fut.set_result(None if results is None else results[k])
+            except redis.exceptions.ResponseError as e:
+                log.error("redis refused the state script: %s", e)
+                results = None
+                break
+        if results is None:
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        deliver(batch, results, self._common)
+
+    def _common(self, rows: list) -> Common:
+        out = []
+        for i, (name_b, spec_json, reqs, work, down, fails, is_open) in enumerate(rows):
+            name = name_b.decode()
+            if name not in self.local.workers:
+                self.local.add_worker_sync(WorkerSpec.from_dict(json.loads(spec_json)))  # learnt from another replica
+            r = max(0, int(reqs))
+            self._others[name] = r
+            self._fails[name] = int(fails)
+            out.append((name, i, r, max(0, int(work)), bool(down), bool(is_open)))
+        known = {row[0] for row in out}
+        for gone in [w for w in self.local.workers if w not in known]:
+            self.local.remove_worker_sync(gone)  # removed through another replica
+        out.sort()
+        return Common(out)
 
     def _keep_records(self, ops: list) -> None:
         i = 0
@@ -232,7 +296,7 @@ class RedisState(RouterState):
             return None
         if self._ops:  # changes made before this one go first (a removal must not be undone by them)
             self.background_commands += 1
-            await self._call(_FLUSH, ())
+            await self._call(FLUSH, ())
         self.background_commands += 1
         try:
             pipe = self.r.pipeline(transaction=True)
@@ -277,7 +341,7 @@ class RedisState(RouterState):
             self._buffer("C", worker, int(ok))
             if not ok and self._flush_timer is not None:  # failures reach the other replicas at once
                 self._flush_timer.cancel()
-                self._flush_soon()
+                self._flush_soon(force=True)
 
     # -- routing ------------------------------------------------------------------------
     async def snapshot(self, hashes: Sequence[int]) -> list[WorkerState]:
@@ -287,38 +351,20 @@ class RedisState(RouterState):
 
     async def route_view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         self.request_commands += 1
-        return await self._view(hashes, want_ticket)
+        if self._up:  # the request path, inline: one coroutine level less per request
+            res = await self._call(SNAPSHOT_TICKET if want_ticket else SNAPSHOT, hashes)
+            if res is not None:
+                common, (ticket, matches) = cast(tuple[Common, list], res)
+                return merge(common, matches, hashes, self.local), int(ticket)
+        return self.local.snapshot_sync(hashes), await self.local.next_ticket()
 
     async def _view(self, hashes: Sequence[int], want_ticket: bool) -> tuple[list[WorkerState], int]:
         if self._up:
-            res = await self._call(_SNAPSHOT_TICKET if want_ticket else _SNAPSHOT, hashes)
+            res = await self._call(SNAPSHOT_TICKET if want_ticket else SNAPSHOT, hashes)
             if res is not None:
-                return self._merge(res[1], hashes), int(res[0])
+                common, (ticket, matches) = cast(tuple[Common, list], res)
+                return merge(common, matches, hashes, self.local), int(ticket)
         return self.local.snapshot_sync(hashes), await self.local.next_ticket()
-
-    def _merge(self, rows: list, hashes: Sequence[int]) -> list[WorkerState]:
-        """Redis's view of the other replicas plus this replica's exact local counts."""
-        now = self.local.clock()
-        out = []
-        for name, spec_json, reqs, work, m, age, down, fails, is_open in rows:
-            name = name.decode()
-            spec = self.local.workers.get(name)
-            if spec is None:
-                spec = WorkerSpec.from_dict(json.loads(spec_json))
-                self.local.add_worker_sync(spec)  # learnt from another replica
-            self._others[name] = max(0, int(reqs))
-            self._fails[name] = int(fails)
-            own_r, own_w = self.local.loads.get(name)
-            lm, lage = self.local.index.match_age(name, hashes, now)
-            age_s = float(age)
-            age_s = age_s if age_s >= 0 else float("inf")
-            out.append(WorkerState(spec, not down, max(int(m), lm), self._others[name] + own_r,
-                                   max(0, int(work)) + own_w, min(age_s, lage), bool(is_open)))
-        known = {s.name for s in out}
-        for gone in [w for w in self.local.workers if w not in known]:
-            self.local.remove_worker_sync(gone)  # removed through another replica
-        out.sort(key=lambda s: s.name)
-        return out
 
     async def next_ticket(self) -> int:
         return (await self._view((), True))[1]
@@ -334,7 +380,7 @@ class RedisState(RouterState):
                 return None
             if seen >= limit - strict_margin(limit):
                 self.request_commands += 1
-                ok = await self._call(_STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
+                ok = await self._call(STRICT_ACQUIRE, (worker, limit, work_ms, len(hashes), *hashes))
                 if ok is not None:
                     if not ok:
                         return None

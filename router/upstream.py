@@ -1,22 +1,26 @@
 """A small keep-alive HTTP/1.1 client for the proxy's one job: POST a body to a worker and
-read the answer back, streamed. aiohttp's client costs about three times as much CPU per
-request; the health checker still uses aiohttp.
+read the answer back, whole or streamed. An ``asyncio.Protocol`` per connection with
+httptools parsing the response; a short answer that arrives in one read wakes the proxy
+once. The health checker still uses aiohttp.
 
 Failures are typed so the caller can tell a request that never reached the worker
-(``Unreached``: refused, connect timeout, a reused connection closed or reset before any
-response byte) from one that did (``UpstreamError``).
+(``Unreached``: refused, connect timeout, a fresh connection closed or reset before any
+response byte) from one that did (``UpstreamError``). A reused idle connection the worker
+closed is replaced by a fresh one without the caller noticing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
-from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from typing import cast
 
-_NO_BODY = (204, 304)
+import httptools
+
 _HEAD_LIMIT = 1 << 16
+_HIGH_WATER = 1 << 20  # body bytes buffered from a worker before its connection stops being read
 
 
 class Unreached(Exception):
@@ -27,178 +31,256 @@ class UpstreamError(Exception):
     """The worker received the request and then failed: bad framing, a reset, an early close."""
 
 
-class _Conn:
-    __slots__ = ("reader", "reused", "writer")
+class _Closed(Exception):
+    """The connection closed before any response byte (the caller decides: retry or Unreached)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+
+class UpstreamConn(asyncio.Protocol):
+    """One connection to a worker; carries one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
         self.reused = False
+        self._waiter: asyncio.Future | None = None
+        self._want_head = True
+        self._paused = False
+        self.deadline = 0.0  # loop time the current wait times out
+        self._reset()
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
+    def _reset(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.content_length: int | None = None
+        self.chunked = False
+        self.keep_alive = True
+        self.head_done = False
+        self.complete = False
+        self.got_bytes = False
+        self.head_bytes = 0
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.error: Exception | None = None
 
+    # -- asyncio.Protocol ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
-class Response:
-    """Status, headers (as sent, latin-1) and a body to read whole or chunk by chunk, once."""
-
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int], conn: _Conn, status: int, reason: str,
-                 headers: list[tuple[str, str]], length: int | None, chunked: bool, keep_alive: bool) -> None:
-        self._pool, self._key, self._conn = pool, key, conn
-        self.status, self.reason, self.headers = status, reason, headers
-        self.content_length = length
-        self._chunked = chunked
-        self._keep_alive = keep_alive
-        self._done = False
-
-    def header(self, name: str) -> str | None:
-        name = name.lower()
-        return next((v for k, v in self.headers if k.lower() == name), None)
-
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.iter_chunks()])
-
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        r = self._conn.reader
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
         try:
-            if self._chunked:
-                while True:
-                    line = await r.readuntil(b"\r\n")
-                    size = int(line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while (await r.readuntil(b"\r\n")) != b"\r\n":
-                            pass  # trailers
-                        break
-                    data = await r.readexactly(size + 2)
-                    yield data[:-2]
-            elif self.content_length is not None:
-                left = self.content_length
-                while left > 0:
-                    data = await r.read(min(left, 1 << 16))
-                    if not data:
-                        raise UpstreamError(f"connection closed with {left} body bytes missing")
-                    left -= len(data)
-                    yield data
-            else:  # delimited by the connection's end
-                self._keep_alive = False
-                while data := await r.read(1 << 16):
-                    yield data
-            self._done = True
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError) as e:
-            raise UpstreamError(f"bad or broken response body: {type(e).__name__}: {e}") from None
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamError(f"malformed response: {e}"))
+        if not self.head_done:
+            self.head_bytes += len(data)
+            if self.head_bytes > _HEAD_LIMIT:
+                self._fail(UpstreamError(f"response head larger than {_HEAD_LIMIT} bytes"))
+        elif self.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        if self.head_done and self.content_length is None and not self.chunked:
+            self.complete = True  # a body delimited by the connection's end
+            self.keep_alive = False
+        elif not self.got_bytes:
+            self.error = _Closed(type(exc).__name__ if exc else "closed")
+        elif self.error is None:
+            where = "body" if self.head_done else "head"
+            self.error = UpstreamError(f"connection broke inside the response {where}: "
+                                       f"{type(exc).__name__ if exc else 'closed'}")
+        self._wake()
+
+    # -- httptools callbacks ------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:  # an interim 1xx answer: the real one follows
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        for k, v in self.headers:
+            lk = k.lower()
+            if lk == b"content-length":
+                with contextlib.suppress(ValueError):
+                    self.content_length = int(v)
+            elif lk == b"transfer-encoding":
+                self.chunked = b"chunked" in v.lower()
+        if self.status in (204, 304):
+            self.content_length = 0
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            self.status, self.reason, self.headers = 0, b"", []
+            return
+        self.complete = True
+
+    # -- the proxy's side ----------------------------------------------------------------
+    def _fail(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = e
+        self.close()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is None or w.done():
+            return
+        if self.error is not None or self.complete or (self.head_done if self._want_head else bool(self.chunks)):
+            w.set_result(None)
+
+    def _timed_out(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(TimeoutError())
+
+    async def _wait(self, want_head: bool, timeout_s: float) -> None:
+        pool = self.pool
+        self._want_head = want_head
+        self._waiter = w = pool.loop.create_future()
+        self._wake()
+        if w.done():
+            return
+        self.deadline = pool.loop.time() + timeout_s
+        pool.waiting.add(self)  # the pool's sweep fires the timeout: no timer per request
+        try:
+            await w
+        finally:
+            pool.waiting.discard(self)
+            self._waiter = None
+
+    async def wait_head(self, timeout_s: float) -> None:
+        """Until the response head is in; raises _Closed, UpstreamError or TimeoutError."""
+        await self._wait(True, timeout_s)
+        if self.error is not None and not self.head_done:
+            raise self.error
+        if not self.head_done:
+            raise UpstreamError("no response head")
+
+    async def next_chunks(self, timeout_s: float) -> list[bytes]:
+        """Body bytes received since the last call; [] once the body is complete. Raises
+        UpstreamError or TimeoutError (nothing arrived for ``timeout_s``)."""
+        if not self.chunks and not self.complete and self.error is None:
+            await self._wait(False, timeout_s)
+        if self.chunks:
+            out = list(self.chunks)
+            self.chunks.clear()
+            self.buffered = 0
+            if self._paused and self.transport is not None and not self.closed:
+                self._paused = False
+                self.transport.resume_reading()
+            return out
+        if self.error is not None:
+            raise self.error if isinstance(self.error, UpstreamError) else UpstreamError(str(self.error))
+        return []
+
+    def header(self, name: str) -> bytes | None:
+        key = name.lower().encode()
+        return next((v for k, v in self.headers if k.lower() == key), None)
 
     def release(self) -> None:
         """Give the connection back (answer fully read, keep-alive) or close it."""
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._done and self._keep_alive:
-            self._pool.put(self._key, conn)
+        if self.complete and self.keep_alive and not self.chunks and not self.closed and self.error is None:
+            self._reset()
+            self.pool.put(self)
         else:
-            conn.close()
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
 
 
 class UpstreamPool:
     def __init__(self, connect_timeout_s: float, max_idle_per_worker: int = 256) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle_per_worker
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[tuple[str, int], list[UpstreamConn]] = {}
+        self.loop = asyncio.get_running_loop()
+        self.waiting: set[UpstreamConn] = set()  # connections with a wait that can time out
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self, tick_s: float = 0.05) -> None:
+        """Time out the waits whose deadline passed (to within ``tick_s``)."""
+        while True:
+            await asyncio.sleep(tick_s)
+            if self.waiting:
+                now = self.loop.time()
+                for c in [c for c in self.waiting if c.deadline <= now]:
+                    c._timed_out()
 
     def __repr__(self) -> str:
         return f"UpstreamPool(idle={ {k: len(v) for k, v in self._idle.items()} })"
 
-    def put(self, key: tuple[str, int], conn: _Conn) -> None:
-        idle = self._idle.setdefault(key, [])
-        if len(idle) < self.max_idle and not conn.writer.is_closing():
+    def put(self, conn: UpstreamConn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) < self.max_idle:
             conn.reused = True
             idle.append(conn)
         else:
             conn.close()
 
     async def close(self) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
         for conns in self._idle.values():
             for c in conns:
                 c.close()
         self._idle.clear()
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    def _idle_conn(self, key: tuple[str, int]) -> UpstreamConn | None:
         idle = self._idle.get(key)
         while idle:
             c = idle.pop()
-            if not c.writer.is_closing() and not c.reader.at_eof():
+            if not c.closed:
                 return c
-            c.close()
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> UpstreamConn:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(key[0], key[1], limit=_HEAD_LIMIT)
+                _, proto = await self.loop.create_connection(lambda: UpstreamConn(self, key), key[0], key[1])
         except TimeoutError:
             raise Unreached(f"connect timeout after {self.connect_timeout_s:g}s") from None
         except OSError as e:  # the message names no address: it may reach a client
             why = os.strerror(e.errno) if e.errno else type(e).__name__
             raise Unreached(f"connect failed: {why}") from None
-        return _Conn(reader, writer)
+        return proto
 
-    async def post(self, url: str, headers: list[tuple[str, str]], body: bytes) -> Response:
-        """Send the request; return once the status line and headers are in. The caller bounds
-        the wait (first-byte timeout) and must ``release()`` the response."""
-        u = urlsplit(url)
-        key = (u.hostname or "127.0.0.1", u.port or 80)
-        path = u.path + (f"?{u.query}" if u.query else "")
-        head = [f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Length: {len(body)}\r\n"]
-        head += [f"{k}: {v}\r\n" for k, v in headers]
-        head.append("\r\n")
-        data = "".join(head).encode("latin-1") + body
+    async def post(self, key: tuple[str, int], data: bytes, first_byte_timeout_s: float) -> UpstreamConn:
+        """Send a whole request (head and body); return the connection once the response head is
+        in. Raises Unreached, UpstreamError or TimeoutError; the caller must ``release()``."""
         while True:
-            conn = await self._connect(key)
+            conn = self._idle_conn(key) or await self._connect(key)
+            assert conn.transport is not None
+            conn.transport.write(data)
             try:
-                conn.writer.write(data)
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
-                break
-            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                await conn.wait_head(first_byte_timeout_s)
+                return conn
+            except _Closed as e:
                 conn.close()
-                partial = getattr(e, "partial", b"")
-                if partial:
-                    raise UpstreamError(f"connection broke inside the response head: {type(e).__name__}") from None
                 if conn.reused:
                     continue  # the worker closed an idle connection: nothing was sent to it, try a fresh one
-                raise Unreached(f"connection closed before any response byte: {type(e).__name__}") from None
-            except asyncio.LimitOverrunError:
-                conn.close()
-                raise UpstreamError(f"response head larger than {_HEAD_LIMIT} bytes") from None
+                raise Unreached(f"connection closed before any response byte: {e}") from None
             except BaseException:
                 conn.close()
                 raise
-        try:
-            return _parse_head(self, key, conn, raw)
-        except (ValueError, IndexError) as e:
-            conn.close()
-            raise UpstreamError(f"malformed response head: {e}") from None
-
-
-def _parse_head(pool: UpstreamPool, key: tuple[str, int], conn: _Conn, raw: bytes) -> Response:
-    lines = raw.decode("latin-1").split("\r\n")
-    version, status_s, *reason = lines[0].split(" ", 2)
-    status = int(status_s)
-    headers = []
-    length: int | None = None
-    chunked = False
-    keep_alive = version == "HTTP/1.1"
-    for line in lines[1:]:
-        if not line:
-            continue
-        k, v = line.split(":", 1)
-        k, v = k.strip(), v.strip()
-        lk = k.lower()
-        if lk == "content-length":
-            length = int(v)
-        elif lk == "transfer-encoding":
-            chunked = "chunked" in v.lower()
-        elif lk == "connection":
-            keep_alive = "close" not in v.lower() and (keep_alive or "keep-alive" in v.lower())
-        headers.append((k, v))
-    if status in _NO_BODY or 100 <= status < 200:
-        length, chunked = 0, False
-    elif chunked:
-        length = None
-    return Response(pool, key, conn, status, reason[0] if reason else "", headers, length, chunked, keep_alive)

@@ -39,7 +39,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
             if r.status == 200:
                 return
@@ -62,7 +62,8 @@ def process(args: list[str], health_url: str | None) -> Iterator[subprocess.Pope
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        proc.stderr.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 @contextlib.contextmanager
@@ -92,8 +93,10 @@ def measure(port: int, n: int, concurrency: int, stream_n: int, pids: dict[str, 
     async def go() -> tuple[Run, Run, Run, dict[str, float]]:
         await load("127.0.0.1", port, "/v1/completions", SMALL, min(200, n), concurrency)  # warm up
         before = {k: cpu_s(p) for k, p in pids.items()}
+        client0 = time.process_time()
         small = await load("127.0.0.1", port, "/v1/completions", SMALL, n, concurrency)
         cpu = {k: (cpu_s(p) - before[k]) / n * 1e6 for k, p in pids.items()}
+        cpu["client"] = (time.process_time() - client0) / n * 1e6
         single = await load("127.0.0.1", port, "/v1/completions", SMALL, stream_n, 1)
         stream = await load("127.0.0.1", port, "/v1/completions", STREAM, stream_n, 1)
         return small, single, stream, cpu

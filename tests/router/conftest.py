@@ -40,8 +40,16 @@ async def poll(cond: Callable[[], object], timeout: float = 10.0, interval: floa
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: web.Application) -> AsyncIterator[str]:
-    """Run an aiohttp app on 127.0.0.1:<free port>; yields its base URL."""
+async def serve_app(app) -> AsyncIterator[str]:
+    """Run an aiohttp app (a fake worker) or a router (``build_app``) on 127.0.0.1:<free port>;
+    yields its base URL."""
+    if not isinstance(app, web.Application):
+        host, port = (await app.start("127.0.0.1", 0))[0]
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            await app.stop()
+        return
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -167,3 +167,31 @@ async def _all_zero(rc, ns):
         if any(int(v) != 0 for v in (await rc.hgetall(key)).values()):
             return False
     return True
+
+
+def test_concurrent_requests_share_one_round_trip_and_one_script_run(redis_proc):
+    """32 requests routed at once: one pipeline carries all their snapshots (one SYNC run), each
+    gets its own prefix match, and Redis records every request's prefix."""
+    async def main():
+        async with replicas(redis_proc.url, n_replicas=1, ns="co") as (rurls, s, fakes, routers):
+            state = routers[0].state
+            texts = [conv(i) for i in range(32)]
+            hashes = [conv_hashes(routers[0], i) for i in range(32)]
+            for h in hashes[:4]:  # some requests with a known prefix on a worker
+                lease = await state.acquire(next(iter(fakes)), 64, 1, h)
+                await state.release(lease)
+            await state._call(0, ())  # flush those records
+            state.local.index.remove_worker(next(iter(fakes)))  # matches below must come from Redis
+            before = state.pipelines
+            views = await asyncio.gather(*(state.route_view(h, False) for h in hashes))
+            assert state.pipelines - before == 1
+            for h, (snap, _) in zip(hashes, views, strict=True):
+                assert len(snap) == 3 and [s.name for s in snap] == sorted(s.name for s in snap)
+            assert all(max(s.matched_blocks for s in snap) == len(h) for h, (snap, _) in zip(hashes[:4], views))
+            assert all(max(s.matched_blocks for s in snap) >= 1 for snap, _ in views[4:])  # the shared block
+            assert all(len(h) > 1 for h in hashes)
+            rs = await asyncio.gather(*(s.post(rurls[0] + "/v1/completions", json={"prompt": t}) for t in texts))
+            assert all(r.status == 200 for r in rs)
+            for r in rs:
+                r.release()
+    asyncio.run(main())

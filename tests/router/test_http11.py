@@ -1,0 +1,184 @@
+"""The router's own HTTP/1.1 server on raw sockets: pipelining, chunked request bodies,
+malformed requests, huge heads, slow and vanishing clients, HTTP/1.0; the router survives
+each and keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from router.config import WorkerSpec
+from router.proxy import build_app
+from tests.router.conftest import serve_app, test_config
+from tests.router.fakeworker import FakeWorker
+
+
+@contextlib.asynccontextmanager
+async def router(**cfg):
+    fake = FakeWorker("w0")
+    async with serve_app(fake.app()) as wurl, serve_app(build_app(test_config(**cfg), [WorkerSpec(wurl)])) as url:
+        host, port = url.removeprefix("http://").split(":")
+        yield host, int(port), fake
+
+
+def post(body: bytes, path: str = "/v1/completions", extra: bytes = b"") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), extra, len(body), body))
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ln)}
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += data[:-2]
+    elif "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    else:
+        body = await asyncio.wait_for(reader.read(), 10)
+    return status, headers, body
+
+
+async def still_alive(host: str, port: int) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(post(b'{"prompt": "still alive"}'))
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["worker"] == "w0"
+    writer.close()
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection():
+    async def main():
+        async with router() as (host, port, fake):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"".join(post(json.dumps({"prompt": f"p{i}", "echo": i}).encode()) for i in range(5))
+                         + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            for i in range(5):
+                status, _, body = await read_response(reader)
+                assert status == 200, body
+                assert fake.bodies[i] == json.dumps({"prompt": f"p{i}", "echo": i}).encode()
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["status"] == "ok"
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_chunked_request_body_is_forwarded_whole():
+    async def main():
+        async with router() as (host, port, fake):
+            reader, writer = await asyncio.open_connection(host, port)
+            body = json.dumps({"prompt": "chunked " * 50}).encode()
+            chunks = [body[:10], body[10:200], body[200:]]
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n")
+            status, _, _ = await read_response(reader)
+            assert status == 200 and fake.bodies[-1] == body
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_chunked_body_over_the_limit_is_a_413():
+    async def main():
+        async with router(max_body_bytes=1024) as (host, port, fake):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n")
+            status, headers, body = await read_response(reader)
+            assert status == 413 and "exceeds the limit" in json.loads(body)["error"]["message"]
+            assert headers.get("connection") == "close"
+            assert fake.served == 0
+            writer.close()
+            await still_alive(host, port)
+    asyncio.run(main())
+
+
+def test_malformed_requests_get_a_400_and_the_connection_closes():
+    bad = [b"THIS IS NOT HTTP\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+           b"GET / HTTP/1.1\r\nBad Header Without Colon\r\n\r\n", b"\x00\x01\x02\x03\r\n\r\n"]
+
+    async def main():
+        async with router() as (host, port, _):
+            for raw in bad:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(raw)
+                status, _, body = await read_response(reader)
+                assert status == 400, (raw, status, body)
+                assert "malformed HTTP request" in json.loads(body)["error"]["message"]
+                assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
+                writer.close()
+            await still_alive(host, port)
+    asyncio.run(main())
+
+
+def test_a_huge_head_is_a_431_without_buffering_it_all():
+    async def main():
+        async with router() as (host, port, _):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (200 << 10))
+            status, _, body = await read_response(reader)
+            assert status == 431 and "request head exceeds" in json.loads(body)["error"]["message"]
+            writer.close()
+            await still_alive(host, port)
+    asyncio.run(main())
+
+
+def test_a_slow_client_head_times_out_with_408_and_a_vanishing_client_costs_nothing():
+    async def main():
+        async with router(client_body_timeout_s=0.3) as (host, port, fake):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+            status, _, body = await read_response(reader)
+            assert status == 408 and "did not arrive" in json.loads(body)["error"]["message"]
+            writer.close()
+            for _ in range(5):  # clients that send half a request and vanish
+                _r, w = await asyncio.open_connection(host, port)
+                w.write(post(b'{"prompt": "gone"}')[:-5])
+                w.close()
+            await still_alive(host, port)
+            assert fake.served == 1
+    asyncio.run(main())
+
+
+def test_http10_client_and_connection_close():
+    async def main():
+        async with router() as (host, port, _):
+            for version, extra in ((b"HTTP/1.0", b""), (b"HTTP/1.1", b"Connection: close\r\n")):
+                reader, writer = await asyncio.open_connection(host, port)
+                body = b'{"prompt": "old client"}'
+                writer.write(b"POST /v1/completions %s\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n%s"
+                             % (version, extra, len(body), body))
+                status, headers, _ = await read_response(reader)
+                assert status == 200 and headers.get("connection") == "close"
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+                writer.close()
+            # a streamed answer to an HTTP/1.0 client ends with the connection, not with chunks
+            reader, writer = await asyncio.open_connection(host, port)
+            body = b'{"text": "hi", "stream": true, "chunks": 2}'
+            writer.write(b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            status, headers, data = await read_response(reader)
+            assert status == 200 and "transfer-encoding" not in headers and data.endswith(b"data: [DONE]\n\n")
+            writer.close()
+    asyncio.run(main())
+
+
+def test_expect_100_continue_is_honoured():
+    async def main():
+        async with router() as (host, port, fake):
+            reader, writer = await asyncio.open_connection(host, port)
+            body = b'{"prompt": "expect"}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 100")
+            writer.write(body)
+            status, _, _ = await read_response(reader)
+            assert status == 200 and fake.bodies[-1] == body
+            writer.close()
+    asyncio.run(main())
