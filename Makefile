@@ -62,10 +62,11 @@ image-test: venv
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
 	GCACHE_IMAGE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_image.py $(PYTEST_ARGS)
 
+# Lint = ruff + mypy (config in pyproject.toml: strict on gcache.meta, gcache.tier, gcache.client).
 lint: venv
 	$(VENV)/bin/ruff check gcache router sglang_adapter tests bench
+	$(VENV)/bin/mypy
 
-# Type check (config in pyproject.toml: strict on gcache.meta, gcache.tier, gcache.client).
 typecheck: venv
 	$(VENV)/bin/mypy
 

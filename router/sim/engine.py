@@ -123,7 +123,7 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> dict:
     leases: dict[int, Lease] = {}
     reasons: Counter[str] = Counter()
     rejected = 0
-    per_worker = Counter()
+    per_worker: Counter[str] = Counter()
 
     events: list[tuple[float, int, int, int, str]] = []
     seq = itertools.count()
@@ -166,6 +166,8 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> dict:
             rejected += len(q.expire(now))
             while len(q):
                 i = q.peek()
+                if i is None:  # only expired entries were left
+                    break
                 p = try_route(i, now)
                 if p.outcome is Outcome.FULL:
                     break
