@@ -34,12 +34,26 @@ def settled(lab, incs=None):
     return nodes == {n: ("up", i) for n, i in incs.items()}
 
 
+def daemons_at_leader_epoch(lab):
+    """Every daemon answers with the epoch the leader publishes (none is still catching up)."""
+    leader = lab.leader()
+    st = lab.status(leader) if leader is not None else {}
+    if "membership" not in st:
+        return False
+    epoch = st["membership"]["epoch"]
+    return all(lab.serves(d).get("ep") == epoch for d in lab.daemons)
+
+
 def test_daemon_cut_from_every_master_fences_but_a_master_outage_fences_nobody(netlab):
     lab = netlab()
     cfg = lab.config
     d = lab.daemon(0)
     lab.call("start", keys=200)
     load_running(lab)
+    # The outage starts once the joins have settled: a daemon still one epoch behind when every
+    # master goes is rightly fenced by its peers' newer epoch (the lease rule), which is not the
+    # case this step is about.
+    assert poll(lambda: settled(lab) and daemons_at_leader_epoch(lab), 10)
 
     # 1. a master outage: no master reachable by anyone. Nobody can change the membership, so
     #    every daemon keeps serving under the last one, well past fence-after.
