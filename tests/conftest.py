@@ -88,3 +88,22 @@ def read(store, key):
         return bytes(hit.view)
     finally:
         store.release(hit)
+
+
+@pytest.fixture
+def tiered(tmp_path):
+    """make(mem=64 KiB, disk=4 MiB, **StoreConfig fields) -> a RAM + NVMe Store in tmp_path (the
+    same directory each time: a second one recovers what the first wrote); all closed at teardown."""
+    from gcache.tier.store import Store, StoreConfig
+
+    stores = []
+
+    def make(mem=64 << 10, disk=4 << 20, **kw):
+        s = Store(StoreConfig(mem_bytes=mem, disk_dir=str(tmp_path / "disk"), disk_bytes=disk,
+                              segment_bytes=256 << 10, **kw))
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()

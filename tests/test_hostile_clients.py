@@ -18,6 +18,7 @@ from gcache import Client, LocalPath, Status
 from gcache import protocol as P
 from gcache.cluster import LocalCluster
 from gcache.net.wire import recv_exact
+from tests.conftest import poll
 
 MiB = 1 << 20
 
@@ -36,13 +37,6 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def poll(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def header(op, meta_len, payload_len=0, req_id=1):

@@ -49,19 +49,6 @@ class GatedOs:
         self._gate.set()
 
 
-@pytest.fixture
-def tiered(tmp_path):
-    stores = []
-
-    def make(mem=64 * KB, disk=4 << 20, **kw):
-        s = Store(StoreConfig(mem_bytes=mem, disk_dir=str(tmp_path / "disk"), disk_bytes=disk,
-                              segment_bytes=256 * KB, **kw))
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def fill(store, n=3, size=20 * KB, tag=b"f"):

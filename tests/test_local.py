@@ -16,15 +16,7 @@ from gcache import Client, ConnectionFailed, LocalPath, Status
 from gcache import protocol as P
 from gcache.net.address import is_local_host, unix_name
 from gcache.transport import open_connection
-
-
-def poll(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+from tests.conftest import poll
 
 
 def ram_used(client, node):

@@ -18,6 +18,7 @@ from gcache import Client
 from gcache.cluster import LocalCluster
 from gcache.meta import rpc
 from gcache.meta.master_client import AuthFailed, MasterClient
+from tests.conftest import poll
 
 WATCHERS = 250
 
@@ -60,13 +61,6 @@ class Watchers:
         self._thread.join(timeout=10)
 
 
-def poll(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 @pytest.fixture

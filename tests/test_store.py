@@ -2,25 +2,17 @@
 
 import os
 import resource
-import time
 
 import pytest
 
 from gcache.protocol import Status
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.store import Store, StoreConfig
-from tests.conftest import read
+from tests.conftest import poll, read
 
 KB = 1024
 
 
-def wait_until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 
@@ -32,19 +24,6 @@ def ram_store():
     s.close()
 
 
-@pytest.fixture
-def tiered(tmp_path):
-    stores = []
-
-    def make(mem=64 * KB, disk=4 << 20, **kw):
-        s = Store(StoreConfig(mem_bytes=mem, disk_dir=str(tmp_path / "disk"), disk_bytes=disk,
-                              segment_bytes=256 * KB, **kw))
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def test_lru_evicts_least_recently_used_first(ram_store):
@@ -61,7 +40,7 @@ def test_ttl_expiry(ram_store):
     ram_store.put(("ns", b"short"), b"v", ttl_s=0.05)
     ram_store.put(("ns", b"long"), b"v")
     assert ram_store.exists(("ns", b"short"))
-    assert wait_until(lambda: not ram_store.exists(("ns", b"short")), 5)
+    assert poll(lambda: not ram_store.exists(("ns", b"short")), 5)
     assert ram_store.exists(("ns", b"long"))
     assert ram_store.stats()["ram_keys"] == 1
 

@@ -10,7 +10,7 @@ from gcache import Client, LocalPath, Status
 from gcache.cluster import LocalCluster
 from gcache.meta.master_client import MasterClient
 from gcache.tier.nvme import NvmeTier
-from gcache.tier.store import Store, StoreConfig
+from gcache.tier.store import Store
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
 from tests.conftest import poll
 
@@ -55,19 +55,6 @@ def test_wire_fields_per_key_or_for_all():
 
 
 # -- in-process store ---------------------------------------------------------------------------
-@pytest.fixture
-def tiered(tmp_path):
-    stores = []
-
-    def make(**kw):
-        s = Store(StoreConfig(mem_bytes=64 * KB, disk_dir=str(tmp_path / "disk"), disk_bytes=4 << 20,
-                              segment_bytes=256 * KB, **kw))
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def test_a_pooled_value_keeps_its_record_through_disk_promotion_and_restart(tiered):
