@@ -124,15 +124,17 @@ class GetOp(Operation):
         if sum(sz for st, sz in zip(sts, szs) if st is Status.OK) != plen:
             conn.broken = True
             raise ProtocolError(f"{conn.node}: GET reply sizes do not add up to its payload")
-        into: list[memoryview] = []  # every hit's bytes, in reply order: received in one go
+        into: list[memoryview] = []  # hits' bytes, in reply order: received in one go
         for i, st, sz in zip(idxs, sts, szs):
             self.sizes_out[i] = sz
             if st is not Status.OK:
                 self.status[i] = st
                 continue
             dest = self.dest(i, sz)
-            if nbytes(dest) < sz:
-                into.append(memoryview(bytearray(sz)))  # read and dropped, keeping the reply in sync
+            if nbytes(dest) < sz:  # read and dropped (in bounded chunks), keeping the reply in sync
+                conn.recv_scatter(into, deadline)
+                into = []
+                conn.discard(sz, deadline)
                 self.status[i] = Status.BUFFER_TOO_SMALL
                 continue
             into += fill_views(dest, sz)

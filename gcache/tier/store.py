@@ -197,18 +197,11 @@ class Store:
     # -- get --------------------------------------------------------------------------------
     def acquire(self, key: Key) -> Hit | None:
         """The value for ``key`` pinned for reading, or None on a miss. Call release(hit)."""
-        with self._lock:
-            now = time.time()
-            entry = self.ram.lookup(key, now) or self._queued(key, now)
-            if entry is not None:
-                entry.pins += 1
-                self.counters["hits_ram"] += 1
-                return Hit(self.arena.slot(entry.off, entry.size), entry)
-        return self._acquire_from_disk(key)
+        return self.acquire_many([key])[0]
 
     def acquire_many(self, keys: Sequence[Key | None]) -> list[Hit | None]:
         """acquire() for each key (None: skipped, a miss) under one lock for the RAM part; keys
-        only on disk are read afterwards, outside it."""
+        only on disk are read afterwards, outside it. Each hit is pinned: release() it."""
         out: list[Hit | None] = [None] * len(keys)
         disk: list[tuple[int, Key]] = []
         with self._lock:
@@ -298,17 +291,11 @@ class Store:
     def exists(self, key: Key, tail: int | None = None) -> bool:
         """Whether ``key`` is stored; a RAM hit becomes most recent. ``tail`` (not None) re-marks
         a pooled entry as a restore point's trailing-window page (1) or an interior one (0)."""
-        with self._lock:
-            now = time.time()
-            e = self.ram.lookup(key, now)
-            if e is not None and tail is not None and e.group is not None and e.tail != tail:
-                e.group.touch(key, e, self.ram.bucket(now), tail)
-            if e is not None or self._queued(key, now) is not None:
-                return True
-        return self.nvme is not None and self.nvme.contains(key)
+        return self.exists_many([key], [tail])[0]
 
     def exists_many(self, keys: Sequence[Key | None], tails: Sequence[int | None] | None = None) -> list[bool]:
-        """exists() for each key (None: skipped, False) under one lock for the RAM part."""
+        """exists() for each key (None: skipped, False) under one lock for the RAM part; a RAM
+        hit becomes most recent, ``tails[i]`` (not None) re-marks a pooled entry's tail flag."""
         out = [False] * len(keys)
         disk: list[int] = []
         with self._lock:

@@ -142,3 +142,16 @@ def test_a_batch_larger_than_the_arena_stores_every_value_in_turn():
     with memory_cluster(1, token="t0k", tag="big", mem_bytes=1 << 20) as (d,), Client([d.address], MEM) as c:
         assert c.put([f"k{i}" for i in range(16)], values) == [Status.OK] * 16
         assert c.get(["k15", "k14"]) == [values[15], values[14]]
+
+
+def test_a_too_small_buffer_mid_reply_keeps_the_other_values_in_place():
+    """A GET reply's values are received in one go; one that does not fit its buffer is read and
+    dropped in between, so the values after it still land where they belong."""
+    with memory_cluster(1, token="t0k", tag="small") as (d,), Client([d.address], MEM) as c:
+        values = [b"a" * 3000, b"b" * 5000, b"c" * 7000]
+        assert c.put(["x", "y", "z"], values) == [Status.OK] * 3
+        bufs = [bytearray(3000), bytearray(100), bytearray(7000)]
+        res = c.get_into(["x", "y", "z"], bufs)
+        assert res.status == [Status.OK, Status.BUFFER_TOO_SMALL, Status.OK]
+        assert res.sizes == [3000, 5000, 7000]
+        assert bytes(bufs[0]) == values[0] and bytes(bufs[2]) == values[2] and bytes(bufs[1]) == bytes(100)
