@@ -91,15 +91,20 @@ class LocalCluster:
         return "gcache://" + ",".join(m.address for m in self.master_procs)
 
     def start(self) -> Self:
+        """Start the masters and daemons; if any fails to start, stop every one started."""
         assert self.root is not None
-        if self.masters:
-            self._start_masters()
-        for _ in range(self.nodes):
-            self._new_daemon()
-        for d in self.daemons:
-            self._spawn(d, "127.0.0.1:0")
-        for d in self.daemons:
-            self._wait_ready(d)
+        try:
+            if self.masters:
+                self._start_masters()
+            for _ in range(self.nodes):
+                self._new_daemon()
+            for d in self.daemons:
+                self._spawn(d, "127.0.0.1:0")
+            for d in self.daemons:
+                self._wait_ready(d)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _new_daemon(self) -> DaemonProc:

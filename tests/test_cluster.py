@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gcache import CallTimeout, Client, ConnectionFailed, OnNodeError, Status
+from gcache.errors import GCacheError
 from tests.conftest import sigstop
 
 MiB = 1 << 20
@@ -173,3 +174,14 @@ def test_stopped_node_times_out_within_the_call_timeout(cluster):
         finally:
             os.kill(pid, signal.SIGCONT)
         assert client.get(keys) == [b"v"] * len(keys)  # fresh connections after the timeout
+
+
+def test_a_cluster_that_fails_to_start_stops_every_process_it_started():
+    from gcache.cluster import LocalCluster
+
+    cl = LocalCluster(nodes=2, mem="32MiB", start_timeout_s=0.0)  # no daemon can be ready in time
+    with pytest.raises(GCacheError, match="not ready"):
+        cl.start()
+    assert len(cl.daemons) == 2
+    assert all(d.proc is not None and d.proc.poll() is not None for d in cl.daemons)
+    assert not os.path.exists(cl.root)

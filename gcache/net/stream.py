@@ -14,6 +14,7 @@ that is not (memory, UCX) is waited on with its class's ``wait_readable``.
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import struct
@@ -120,3 +121,90 @@ class SocketStream:
         readable, _, _ = select.select([s.sock for s in streams], [], [], remaining)
         ready = set(readable)
         return [s for s in streams if s.sock in ready]
+
+
+class PolledSocketStream(SocketStream):
+    """A SocketStream for a caller that works against deadlines (the client's Connection).
+
+    The socket stays non-blocking for its whole life; a call that would block polls until
+    ``deadline`` (a time.monotonic() value, an attribute the caller moves before each call) and
+    raises TimeoutError past it. A socket timeout would cost an ioctl per change, and CPython
+    polls before every receive on a socket with a timeout; here a receive whose bytes have
+    arrived is one syscall. ``sendmsg_nowait`` sends what the socket takes without waiting
+    (BlockingIOError when it takes nothing)."""
+
+    __slots__ = ("_pin", "_pout", "_raw_recv_into", "_raw_recvmsg_into", "deadline", "sendmsg_nowait")
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        sock.setblocking(False)
+        self.deadline = math.inf
+        self._raw_recv_into = sock.recv_into
+        self._raw_recvmsg_into = sock.recvmsg_into
+        self.sendmsg_nowait = sock.sendmsg
+        self.recv_into = self._recv_into  # type: ignore[assignment]
+        self.recvmsg_into = self._recvmsg_into  # type: ignore[assignment]
+        self.sendmsg = self._sendmsg  # type: ignore[assignment]
+        self.settimeout = self._settimeout
+        self.gettimeout = self._gettimeout
+        self.setblocking = self._setblocking
+        self._pin = select.poll()
+        self._pin.register(sock.fileno(), select.POLLIN)
+        self._pout = select.poll()
+        self._pout.register(sock.fileno(), select.POLLOUT)
+
+    def __repr__(self) -> str:
+        return f"PolledSocketStream({self.peer()})"
+
+    def _wait(self, poller: Any) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 or not poller.poll(remaining * 1000.0):
+            raise TimeoutError("timed out")
+
+    def _recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int:
+        while True:
+            try:
+                return self._raw_recv_into(buffer, nbytes, flags)
+            except BlockingIOError:
+                self._wait(self._pin)
+
+    def _recvmsg_into(self, buffers: Iterable[Any], /) -> tuple[int, list[Any], int, Any]:
+        if type(buffers) is not list:
+            buffers = list(buffers)
+        while True:
+            try:
+                return self._raw_recvmsg_into(buffers)
+            except BlockingIOError:
+                self._wait(self._pin)
+
+    def _sendmsg(self, buffers: Iterable[Any], /) -> int:
+        if type(buffers) is not list:
+            buffers = list(buffers)
+        while True:
+            try:
+                return self.sendmsg_nowait(buffers)
+            except BlockingIOError:
+                self._wait(self._pout)
+
+    def _settimeout(self, timeout: float | None, /) -> None:
+        """The deadline becomes now + ``timeout`` (None: no deadline); the socket stays non-blocking."""
+        self.deadline = math.inf if timeout is None else time.monotonic() + timeout
+
+    def _gettimeout(self) -> float | None:
+        return None if self.deadline == math.inf else max(0.0, self.deadline - time.monotonic())
+
+    def _setblocking(self, flag: bool, /) -> None:
+        self.deadline = math.inf if flag else -math.inf
+
+    def idle_ok(self) -> bool:
+        try:
+            return not self._pin.poll(0)
+        except (OSError, ValueError):
+            return False
+
+    def recv_fds(self, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
+        while True:
+            try:
+                return super().recv_fds(bufsize, maxfds)
+            except BlockingIOError:
+                self._wait(self._pin)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gcache import protocol as P
-from gcache.net.stream import Stream
+from gcache.net.readahead import ReadAheadStream
+from gcache.net.stream import SocketStream, Stream
 from gcache.net.wire import drain, recv_scatter, send_all
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.ratelog import RateLimitedLog
@@ -81,6 +82,8 @@ class Handler:
 
     def __init__(self, stream: Stream, ctx: ServerContext, state: ConnState | None = None,
                  authed: bool = False) -> None:
+        if isinstance(stream, SocketStream):  # a frame's header and metadata in one receive
+            stream = ReadAheadStream(stream)
         self.stream = stream
         self.ctx = ctx
         self.store = ctx.store

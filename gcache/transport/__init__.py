@@ -16,7 +16,7 @@ from typing import Any
 
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ServerError
 from gcache.net.address import split_host_port, unix_name
-from gcache.net.stream import SocketStream, Stream
+from gcache.net.stream import PolledSocketStream, SocketStream, Stream
 from gcache.net.wire import tune
 from gcache.protocol import Op
 from gcache.transport.connection import Connection
@@ -40,10 +40,10 @@ Greet = Callable[[Stream], Callable[[Op, dict[str, Any]], dict[str, Any]]]
 Dialer = Callable[[str, float, Greet], Stream]
 
 
-def _tcp_stream(address: str, timeout_s: float) -> SocketStream:
+def _tcp_socket(address: str, timeout_s: float) -> socket.socket:
     sock = socket.create_connection(split_host_port(address), timeout=timeout_s)
     tune(sock)
-    return SocketStream(sock)
+    return sock
 
 
 def _greeted(stream: Stream, greet: Greet) -> Stream:
@@ -57,7 +57,7 @@ def _greeted(stream: Stream, greet: Greet) -> Stream:
 
 
 def _dial_tcp(address: str, timeout_s: float, greet: Greet) -> Stream:
-    return _greeted(_tcp_stream(address, timeout_s), greet)
+    return _greeted(PolledSocketStream(_tcp_socket(address, timeout_s)), greet)
 
 
 def _dial_unix(address: str, timeout_s: float, greet: Greet) -> Stream:
@@ -69,13 +69,13 @@ def _dial_unix(address: str, timeout_s: float, greet: Greet) -> Stream:
     except OSError:
         sock.close()
         raise
-    return _greeted(SocketStream(sock), greet)
+    return _greeted(PolledSocketStream(sock), greet)
 
 
 def _dial_ucx(address: str, timeout_s: float, greet: Greet) -> Stream:
     from gcache.transport import ucx
 
-    tcp = _tcp_stream(address, timeout_s)  # the set-up channel, then the liveness channel
+    tcp = SocketStream(_tcp_socket(address, timeout_s))  # the set-up channel, then the liveness channel
     try:
         call = greet(tcp)
         try:

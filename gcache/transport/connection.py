@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gcache import protocol as P
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ProtocolError, ServerError
-from gcache.net.stream import SocketStream, Stream
+from gcache.net.stream import PolledSocketStream, SocketStream, Stream
 from gcache.net.wire import DRAIN_CHUNK, IOV_MAX, drain, recv_exact, recv_scatter, send_all
 
 READ_BUFFER = 64 << 10  # per connection: replies up to this size take one read
@@ -62,6 +62,10 @@ class Connection:
         self.arena_id = ""  # which incarnation of the daemon's arena that is
         self.last_epoch = 0
         self._guard = _IO(self)
+        # A polled socket takes the deadline itself (no syscall); other streams a timeout.
+        self._polled = stream if isinstance(stream, PolledSocketStream) else None
+        self._send_nowait: Callable[[list[Any]], int] | None = (
+            self._polled.sendmsg_nowait if self._polled is not None else None)
 
     def hello(self, token: str | None, deadline: float) -> None:
         """The data-plane handshake: prove the cluster token once (nothing to do without one).
@@ -89,7 +93,10 @@ class Connection:
         if remaining <= 0:
             self.broken = True
             raise CallTimeout(self.node, self._timeout)
-        self.stream.settimeout(remaining)
+        if self._polled is not None:
+            self._polled.deadline = deadline
+        else:
+            self.stream.settimeout(remaining)
         return self._guard
 
     def prepare(self, op: int, meta: dict[str, Any], payload: Sequence[memoryview], timeout_s: float) -> int:
@@ -107,11 +114,14 @@ class Connection:
     def send_some(self, deadline: float) -> bool:
         """Send queued bytes without blocking; True once the whole frame is out."""
         with self._io(deadline):
-            self.stream.setblocking(False)
+            send = self._send_nowait
+            if send is None:
+                self.stream.setblocking(False)
+                send = self.stream.sendmsg
             out, i = self._out, self._out_i
             try:
                 while i < len(out):
-                    sent = self.stream.sendmsg(out[i : i + IOV_MAX])
+                    sent = send(out[i : i + IOV_MAX])
                     while sent:
                         if sent >= len(out[i]):
                             sent -= len(out[i])
