@@ -134,18 +134,29 @@ class GcacheLocal(GcacheTcp):
 
 
 class Memcpy(Target):
-    """The local-path ceiling: ``np.copyto`` of a batch between preallocated, touched buffers."""
+    """The local-path ceiling: ``np.copyto`` of a batch between preallocated, touched buffers,
+    over the same working set as gcache's (``keys_per_thread`` distinct batches per thread): a get
+    copies each of them in turn into one destination, a put one source into each in turn. (One
+    batch copied over and over can stay in the last-level cache, which gcache's cannot.)"""
 
     system, transport = "memcpy", "local"
 
+    def __init__(self, mem_budget: int) -> None:
+        self.mem_budget = mem_budget
+
     def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
         bufs = Buffers(size, batch, threads)
+        n = keys_per_thread(self.mem_budget, size, batch, threads)
+        far = [[bufs.src[t].copy() for _ in range(n)] for t in range(threads)]  # the stored batches
 
         def step_for(t: int) -> Step:
-            a, b = (bufs.src[t], bufs.dst[t]) if op == "put" else (bufs.dst[t], bufs.src[t])
+            near, stored = bufs.dst[t], far[t]
 
             def step(i: int) -> bool:
-                np.copyto(a, b)
+                if op == "put":
+                    np.copyto(stored[i % n], near)
+                else:
+                    np.copyto(near, stored[i % n])
                 return True
 
             return step

@@ -114,7 +114,7 @@ def run_throughput(addresses: list[str], profile: Profile, mem_budget: int, tran
         if "socket" in ceilings:
             systems.append(Socket(max_bytes))
         if "memcpy" in ceilings:
-            systems.append(Memcpy())
+            systems.append(Memcpy(mem_budget))
         if "ucx" in transports and "socket" in ceilings:  # gcache over UCX beside raw UCX
             try:
                 systems.append(UcxRaw(max_bytes))

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gcache.client.config import LocalPath
 from gcache.client.ops import Operation
 from gcache.client.planner import Request, misses, plan, to_fall_back, to_retry
 from gcache.client.pool import Pool
@@ -75,8 +76,11 @@ class Fanout:
         ``op.finish_local`` copies through the mapped arena when their reply comes in."""
         if not which:
             return 0
+        local = None
+        if op.sizes is not None and op.local_op is not None and self.pool.local is not LocalPath.OFF:
+            local = lambda node: node in addr and self.pool.is_local(node, addr[node])
         requests = plan(which, ring.owners(op.ns, [kbytes[i] for i in which]), op.sizes,
-                        self.split_bytes, self.split_keys)
+                        self.split_bytes, self.split_keys, local)
         epochs = [0]
         sync_jobs: dict[int, Job] = {}  # not pollable (UCX, memory): posted now, read below
         sending: dict[int, Job] = {}  # frames the socket did not take at once

@@ -8,7 +8,7 @@ known), so one caller keeps the owner's threads and the wire busy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gcache.protocol import Status
@@ -47,10 +47,13 @@ def split(idxs: list[int], sizes: Sequence[int] | None, split_bytes: int, split_
 
 
 def plan(which: Sequence[int], owners: Sequence[str], sizes: Sequence[int] | None, split_bytes: int,
-         split_keys: int) -> list[Request]:
-    """The requests of one round over positions ``which`` owned by ``owners``."""
+         split_keys: int, by_keys_only: Callable[[str], bool] | None = None) -> list[Request]:
+    """The requests of one round over positions ``which`` owned by ``owners``. Owners for which
+    ``by_keys_only(node)`` holds are split by key count alone (the local path: its requests
+    carry offsets, not bytes, and the client does the copying)."""
     return [Request(node, chunk) for node, idxs in by_owner(which, owners).items()
-            for chunk in split(idxs, sizes, split_bytes, split_keys)]
+            for chunk in split(idxs, None if by_keys_only is not None and by_keys_only(node) else sizes,
+                               split_bytes, split_keys)]
 
 
 def to_retry(status: Sequence[Status]) -> list[int]:

@@ -45,19 +45,25 @@ class Pool:
                 conn.close()
         return None
 
+    def is_local(self, node: str, address: str) -> bool:
+        """Whether a new connection to ``node`` takes the local path (its daemon is on this
+        host, the path is on, and it has not failed lately)."""
+        if self.local is LocalPath.OFF or not is_local_host(host_of(address)):
+            return False
+        failed = self._no_local.get(node)
+        return self.local is LocalPath.FORCE or failed is None or time.monotonic() - failed > LOCAL_RETRY_S
+
     def get(self, node: str, address: str) -> Connection:
         conn = self.idle(node, address)
         if conn is not None:
             return conn
-        if self.local is not LocalPath.OFF and is_local_host(host_of(address)):
-            failed = self._no_local.get(node)
-            if self.local is LocalPath.FORCE or failed is None or time.monotonic() - failed > LOCAL_RETRY_S:
-                try:
-                    return self._local_connection(node, address)
-                except GCacheError:
-                    if self.local is LocalPath.FORCE:
-                        raise
-                    self._no_local[node] = time.monotonic()
+        if self.is_local(node, address):
+            try:
+                return self._local_connection(node, address)
+            except GCacheError:
+                if self.local is LocalPath.FORCE:
+                    raise
+                self._no_local[node] = time.monotonic()
         return open_connection(node, address, self.connect_timeout_s, self.token, self.transport)
 
     def _local_connection(self, node: str, address: str) -> Connection:

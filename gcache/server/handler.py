@@ -39,6 +39,8 @@ SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 OK, NOT_FOUND = int(Status.OK), int(Status.NOT_FOUND)
+_MAX_KEY = P.MAX_KEY_BYTES
+_OPS = {int(o): o for o in Op}  # a dict lookup per request, not an Enum call
 JOIN_WAIT_S = 1.0
 PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much  # a request that arrives while the daemon (re)registers waits this long for it
 
@@ -153,10 +155,10 @@ class Handler:
             if not self.authed and payload_len:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             meta = self.frames.read_meta(op, meta_len, self.authed)
-            try:
-                op = Op(op)
-            except ValueError:
-                raise Refused(ErrorCode.UNKNOWN_OP, f"unknown opcode {op}") from None
+            known = _OPS.get(op)
+            if known is None:
+                raise Refused(ErrorCode.UNKNOWN_OP, f"unknown opcode {op}")
+            op = known
             if op is Op.HELLO:
                 self._hello(meta)
                 self.reply(op, req_id, {"node": self.node_id, "v": P.VERSION})
@@ -251,6 +253,12 @@ class Handler:
             agent.note_epoch(ep)
         return agent.owns if ep < agent.epoch else None
 
+    def _keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
+        """_key_status of each key (without an owner check: one comprehension, no call per key)."""
+        if self._owner_check is None:
+            return [None if type(k) is bytes and 0 < len(k) <= _MAX_KEY else Status.BAD_KEY for k in keys]
+        return [self._key_status(ns, k) for k in keys]
+
     def _key_status(self, ns: str, key: object) -> Status | None:
         """BAD_KEY or NOT_OWNER for a key this request must not touch, else None."""
         if type(key) is not bytes or not 0 < len(key) <= P.MAX_KEY_BYTES:  # P.key_error, inlined
@@ -332,7 +340,7 @@ class Handler:
     def _acquire_keys(self, ns: str, keys: list[Any]) -> tuple[list[Hit | None], list[int], list[int]]:
         """Pin each key's value: (the Hit or None, the Status, the size) per key (one store lock
         for the RAM hits of the whole request)."""
-        refused = [self._key_status(ns, key) for key in keys]
+        refused = self._keys_status(ns, keys)
         got = self.store.acquire_many([(ns, k) if r is None else None for k, r in zip(keys, refused)])
         status: list[int] = []
         sizes: list[int] = []
@@ -390,7 +398,7 @@ class Handler:
             if isinstance(pooled, str):
                 raise Refused(ErrorCode.BAD_META, f"EXISTS {pooled}")
             tails = list(pooled[2]) if pooled[2] is not None else None
-        refused = [self._key_status(ns, k) for k in keys]
+        refused = self._keys_status(ns, keys)
         found = self.store.exists_many([(ns, k) if r is None else None for k, r in zip(keys, refused)], tails)
         out = [int(r) if r is not None else (OK if f else NOT_FOUND) for r, f in zip(refused, found)]
         reply: dict[str, Any] = {"st": out}

@@ -207,10 +207,10 @@ class Store:
         with self._lock:
             now = time.time()
             hits = 0
-            for i, key in enumerate(keys):
+            for i, (key, entry) in enumerate(zip(keys, self.ram.lookup_many(keys, now))):
                 if key is None:
                     continue
-                entry = self.ram.lookup(key, now) or self._queued(key, now)
+                entry = entry or self._queued(key, now)
                 if entry is None:
                     disk.append((i, key))
                     continue
@@ -300,10 +300,9 @@ class Store:
         disk: list[int] = []
         with self._lock:
             now = time.time()
-            for i, key in enumerate(keys):
+            for i, (key, e) in enumerate(zip(keys, self.ram.lookup_many(keys, now))):
                 if key is None:
                     continue
-                e = self.ram.lookup(key, now)
                 tail = tails[i] if tails is not None else None
                 if e is not None and tail is not None and e.group is not None and e.tail != tail:
                     e.group.touch(key, e, self.ram.bucket(now), tail)

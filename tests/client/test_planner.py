@@ -31,6 +31,12 @@ def test_plan_one_request_per_owner_and_chunk():
     assert reqs == [Request("a", [0, 2]), Request("a", [3]), Request("b", [1])]
 
 
+def test_plan_splits_local_path_owners_by_key_count_only():
+    sizes = [4, 4, 4, 4]
+    reqs = plan([0, 1, 2, 3], ["a", "b", "a", "b"], sizes, 4, 64, by_keys_only=lambda node: node == "a")
+    assert reqs == [Request("a", [0, 2]), Request("b", [1]), Request("b", [3])]
+
+
 def test_retry_only_not_owner():
     st = [Status.OK, Status.NOT_OWNER, Status.NOT_FOUND, Status.NOT_OWNER, Status.UNAVAILABLE]
     assert to_retry(st) == [1, 3]
