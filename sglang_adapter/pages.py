@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-
 #: host-pool attributes holding the pool's pages as one CPU tensor (MHA and MLA pools: ``kv_buffer``;
 #: pools with K and V apart: ``k_buffer`` / ``v_buffer``)
 _PAGE_TENSORS = ("kv_buffer", "k_buffer", "v_buffer")
