@@ -9,8 +9,10 @@ pages. Each figure moves all of them in one call:
   and host indices, the storage created by SGLang's backend factory (``skip_existing`` off, so a
   set always sends its pages);
 * ``raw``: ``Client.put`` / ``Client.get_into`` of the same pages, from / into the same pool
-  memory (scatter-gather views made once, before timing), with the same daemon pool tag and
-  chain positions, on another namespace.
+  memory (scatter-gather views made once, before timing), under the very keys the adapter
+  uses, with the same daemon pool tag and chain positions: the same owners store the same
+  bytes, so the difference is the adapter's own work (a raw namespace of its own would
+  spread the 64 keys over the daemons differently, and that alone moved the ratio by 10-30%).
 
 Adapter and raw calls alternate one by one, so that load from other processes hits both alike;
 ``ratio`` is adapter GB/s over raw GB/s (page bytes over the summed call times); ``ratio_p50``
@@ -34,6 +36,7 @@ from gcache.sizes import format_size, parse_size
 PAGE_TOKENS = 64
 LAYERS = 4
 OPS = ("set", "get")
+NAMESPACE = "bench-adapter"
 TRANSPORTS = ("tcp", "local")
 
 
@@ -69,6 +72,8 @@ class AdapterRecord:
     adapter_p50_ms: float
     raw_p50_ms: float
     ratio_p50: float  # raw_p50_ms / adapter_p50_ms
+    adapter_cpu_ms: float  # this process's CPU time per call (all threads), median: less load-sensitive
+    raw_cpu_ms: float
     own_us: float  # the adapter's own work per call (views + keys), median
     adapter_calls: int
     raw_calls: int
@@ -83,38 +88,49 @@ def geometry(page_bytes: int) -> tuple[int, int]:
     return (per // 128, 128) if per % 128 == 0 else (1, per)
 
 
-def make_record(op: str, transport: str, cfg: AdapterBenchConfig, adapter_lat: list[float],
-                raw_lat: list[float], own_us: float) -> AdapterRecord:
-    """The figures of one (op, transport) from the per-call latencies (seconds)."""
+@dataclass
+class Calls:
+    """Per-call wall time and this process's CPU time (all its threads), seconds."""
+
+    wall: list[float]
+    cpu: list[float]
+
+
+def make_record(op: str, transport: str, cfg: AdapterBenchConfig, adapter: Calls, raw: Calls,
+                own_us: float) -> AdapterRecord:
+    """The figures of one (op, transport) from the calls' times."""
     import numpy as np
 
+    def med_ms(xs: list[float]) -> float:
+        return float(np.median(xs)) * 1e3 if xs else 0.0
+
     moved = cfg.pages * cfg.page_bytes
-    a_gbps = len(adapter_lat) * moved / sum(adapter_lat) / 1e9 if adapter_lat else 0.0
-    r_gbps = len(raw_lat) * moved / sum(raw_lat) / 1e9 if raw_lat else 0.0
-    a_p50 = float(np.median(adapter_lat)) * 1e3 if adapter_lat else 0.0
-    r_p50 = float(np.median(raw_lat)) * 1e3 if raw_lat else 0.0
+    a_gbps = len(adapter.wall) * moved / sum(adapter.wall) / 1e9 if adapter.wall else 0.0
+    r_gbps = len(raw.wall) * moved / sum(raw.wall) / 1e9 if raw.wall else 0.0
+    a_p50, r_p50 = med_ms(adapter.wall), med_ms(raw.wall)
+    a_cpu, r_cpu = med_ms(adapter.cpu), med_ms(raw.cpu)
     return AdapterRecord(op, transport, cfg.pages, cfg.page_bytes, a_gbps, r_gbps,
                          a_gbps / r_gbps if r_gbps else 0.0, a_p50, r_p50, r_p50 / a_p50 if a_p50 else 0.0,
-                         own_us, len(adapter_lat), len(raw_lat))
+                         a_cpu, r_cpu, own_us, len(adapter.wall), len(raw.wall))
 
 
-def alternate(a_fn: Callable[[], bool], r_fn: Callable[[], bool], budget_s: float) -> tuple[list[float], list[float]]:
+def alternate(a_fn: Callable[[], bool], r_fn: Callable[[], bool], budget_s: float) -> tuple[Calls, Calls]:
     """Call adapter and raw alternately (the order flipping every pair) until ``budget_s`` has
-    passed; their latencies. A call that does not fully succeed aborts the measurement."""
-    a_lat: list[float] = []
-    r_lat: list[float] = []
+    passed; their times. A call that does not fully succeed aborts the measurement."""
+    a, r = Calls([], []), Calls([], [])
     end = time.perf_counter() + budget_s
     flip = False
-    while time.perf_counter() < end or not a_lat:
-        for name, fn, lat in (("raw", r_fn, r_lat), ("adapter", a_fn, a_lat)) if flip else \
-                (("adapter", a_fn, a_lat), ("raw", r_fn, r_lat)):
-            t0 = time.perf_counter()
+    while time.perf_counter() < end or not a.wall:
+        for name, fn, calls in (("raw", r_fn, r), ("adapter", a_fn, a)) if flip else \
+                (("adapter", a_fn, a), ("raw", r_fn, r)):
+            c0, t0 = time.process_time(), time.perf_counter()
             ok = fn()
-            lat.append(time.perf_counter() - t0)
+            calls.wall.append(time.perf_counter() - t0)
+            calls.cpu.append(time.process_time() - c0)
             if not ok:
                 raise RuntimeError(f"a {name} call did not move every page")
         flip = not flip
-    return a_lat, r_lat
+    return a, r
 
 
 def host_pool(cfg: AdapterBenchConfig) -> Any:
@@ -143,7 +159,7 @@ def _storage(addresses: list[str], transport: str) -> Any:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     extra = {"backend_name": "gcache", "module_path": "sglang_adapter.backend", "class_name": "GCacheStorage",
-             "interface_v1": 1, "nodes": list(addresses), "namespace": "bench-adapter", "timeout_s": 60.0,
+             "interface_v1": 1, "nodes": list(addresses), "namespace": NAMESPACE, "timeout_s": 60.0,
              "connect_timeout_s": 10.0, "skip_existing": False,
              "local": "force" if transport == "local" else "off"}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
@@ -164,14 +180,14 @@ def _one_transport(addresses: list[str], transport: str, cfg: AdapterBenchConfig
     from sglang_adapter.pages import page_views
 
     storage = _storage(addresses, transport)
-    raw = Client(addresses, namespace="bench-adapter-raw", timeout_s=60.0, connect_timeout_s=10.0,
+    raw = Client(addresses, namespace=NAMESPACE, timeout_s=60.0, connect_timeout_s=10.0,
                  local=LocalPath.FORCE if transport == "local" else LocalPath.OFF)
     try:
         storage.register_mem_pool_host(pool)
         n = cfg.pages
         idx = torch.arange(0, n * PAGE_TOKENS, dtype=torch.int64)
         hashes = [hashlib.sha256(f"bench-adapter-{i}".encode()).hexdigest() for i in range(n)]
-        rkeys = [f"{h}.raw".encode() for h in hashes]
+        rkeys = storage.page_keys(hashes, KV)  # the very keys the adapter writes: same owners, same bytes
         views = page_views(pool, idx, n)  # the raw client's buffers: the same pool memory, made once
         pos = list(range(n))
         ops: dict[str, tuple[Callable[[], bool], Callable[[], bool]]] = {
@@ -200,13 +216,14 @@ def _one_transport(addresses: list[str], transport: str, cfg: AdapterBenchConfig
         own_us = float(np.median(own)) * 1e6
         out = []
         for op in cfg.ops:
-            a_lat, r_lat = alternate(*ops[op], cfg.seconds)
-            rec = make_record(op, transport, cfg, a_lat, r_lat, own_us)
+            a_calls, r_calls = alternate(*ops[op], cfg.seconds)
+            rec = make_record(op, transport, cfg, a_calls, r_calls, own_us)
             out.append(rec)
             if progress:
                 print(f"{transport:<5} {op:<3} {n} x {format_size(cfg.page_bytes)}: adapter {rec.adapter_gbps:6.2f} "
                       f"GB/s, raw {rec.raw_gbps:6.2f} GB/s, ratio {rec.ratio:.3f} (by p50 {rec.ratio_p50:.3f}); "
-                      f"adapter's own work {own_us:.0f} us a call", flush=True)
+                      f"CPU ms a call {rec.adapter_cpu_ms:.2f} vs {rec.raw_cpu_ms:.2f}; "
+                      f"adapter's own work {own_us:.0f} us", flush=True)
         return out
     finally:
         storage.close()
@@ -226,13 +243,14 @@ def measure(addresses: list[str], cfg: AdapterBenchConfig, progress: bool = True
 
 def format_markdown(records: list[AdapterRecord]) -> str:
     head = ("| path | call | pages | adapter GB/s | raw GB/s | adapter / raw | adapter p50 ms | raw p50 ms "
-            "| by p50 | adapter's own µs | calls (adapter, raw) |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| by p50 | CPU ms a call (adapter, raw) | adapter's own µs | calls (adapter, raw) |")
+    lines = [head, "|" + "---|" * 12]
     for r in records:
         call = "batch_set_v1 / put" if r.op == "set" else "batch_get_v1 / get_into"
         lines.append(f"| {r.transport} | {call} | {r.pages} x {format_size(r.page_bytes)} | {r.adapter_gbps:.2f} "
                      f"| {r.raw_gbps:.2f} | {r.ratio:.3f} | {r.adapter_p50_ms:.2f} | {r.raw_p50_ms:.2f} "
-                     f"| {r.ratio_p50:.3f} | {r.own_us:.0f} | {r.adapter_calls}, {r.raw_calls} |")
+                     f"| {r.ratio_p50:.3f} | {r.adapter_cpu_ms:.2f}, {r.raw_cpu_ms:.2f} | {r.own_us:.0f} "
+                     f"| {r.adapter_calls}, {r.raw_calls} |")
     return "\n".join(lines) + "\n"
 
 

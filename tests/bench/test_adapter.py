@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from gcache.bench.adapter import AdapterBenchConfig, format_markdown, geometry, make_record
+from gcache.bench.adapter import AdapterBenchConfig, Calls, format_markdown, geometry, make_record
 from gcache.cli import build_parser
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("torch") is not None
@@ -26,12 +26,14 @@ def test_geometry_makes_pages_of_the_asked_size():
 def test_record_divides_adapter_by_raw_over_summed_call_times():
     cfg = AdapterBenchConfig(pages=64, page_bytes=1 << 20)
     moved = 64 << 20
-    rec = make_record("get", "tcp", cfg, [0.02, 0.02, 0.08], [0.02, 0.02, 0.02], own_us=150.0)
+    rec = make_record("get", "tcp", cfg, Calls([0.02, 0.02, 0.08], [0.004, 0.005, 0.006]),
+                      Calls([0.02, 0.02, 0.02], [0.004, 0.004, 0.004]), own_us=150.0)
     assert rec.adapter_gbps == pytest.approx(3 * moved / 0.12 / 1e9)
     assert rec.raw_gbps == pytest.approx(3 * moved / 0.06 / 1e9)
     assert rec.ratio == pytest.approx(0.5)
     assert rec.ratio_p50 == pytest.approx(1.0)  # same median call
     assert (rec.adapter_calls, rec.raw_calls) == (3, 3)
+    assert (rec.adapter_cpu_ms, rec.raw_cpu_ms) == pytest.approx((5.0, 4.0))
     row = format_markdown([rec]).splitlines()[2]
     assert row.startswith("| tcp | batch_get_v1 / get_into | 64 x 1.0MiB |") and "| 0.500 |" in row
 
