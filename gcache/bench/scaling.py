@@ -29,6 +29,7 @@ from gcache.bench.targets import Buffers, GcacheTcp, Target, Unavailable, keys_p
 from gcache.sizes import format_size, parse_size
 
 BYTES_FROM = 64 << 10  # from this value size on, the curve is in GB/s; below, keys/s
+COLORS = {"gcache": "C0", "redis": "C3", "mooncake": "C2"}  # one colour a system; dashed: N processes
 
 
 def name(r: Record) -> str:
@@ -238,6 +239,7 @@ def plot_scaling(records: list[Record], out_dir: str) -> str | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     panels = sorted({(r.value_bytes, r.op) for r in records}, key=lambda p: (p[0], {"put": 0, "get": 1}.get(p[1], 2)))
     ncols = min(3, len(panels))
@@ -247,10 +249,13 @@ def plot_scaling(records: list[Record], out_dir: str) -> str | None:
         mine = [r for r in records if r.value_bytes == size and r.op == op]
         for n in sorted({name(r) for r in mine}):
             pts = sorted((procs_of(r) * r.threads, metric(r)) for r in mine if name(r) == n)
+            system = n.split("/")[0]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n,
-                    linestyle="--" if "-" in n.split("/")[-1] else "-")
+                    color=COLORS.get(system), linestyle="--" if "/" in n else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         xs = sorted({procs_of(r) * r.threads for r in mine})
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("client threads in all (processes x threads)")
