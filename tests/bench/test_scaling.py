@@ -35,3 +35,18 @@ def test_curve_table_has_one_column_per_process_and_thread_count(tmp_path):
     assert "| get | 1.0MiB | 16 | redis | GB/s | 1.50 |  |  |" in lines
     path = plot_scaling(rs, str(tmp_path))
     assert path is not None and (tmp_path / "scaling.png").stat().st_size > 1000
+
+
+def test_a_tiny_run_measures_one_and_two_client_processes(make_cluster):
+    import shutil
+
+    from gcache.bench.scaling import run_scaling
+
+    peers = ("redis",) if shutil.which("redis-server") else ()
+    cluster = make_cluster(nodes=1, mem="32MiB", extra_args=["--no-pretouch"])
+    said = []
+    recs = run_scaling(cluster.addresses, 32 << 20, (4096,), (4,), (1,), (1, 2), ("get",), 0.05, peers,
+                       say=said.append)
+    want = {"gcache", "gcache/tcp-2p"} | ({"redis", "redis/tcp-2p"} if peers else set())
+    assert {name(r) for r in recs} == want, said
+    assert all(r.ops_per_s > 0 and r.latencies_ms for r in recs)
