@@ -70,7 +70,7 @@ class GCacheStorage(HiCacheStorage):
         self.scheme = KeyScheme.from_storage_config(storage_config)
         self.client = Client(self.config.target(), namespace=self.config.namespace, token=self.config.token(),
                              timeout_s=self.config.timeout_s, connect_timeout_s=self.config.connect_timeout_s,
-                             on_node_error=OnNodeError.MISS)
+                             on_node_error=OnNodeError.MISS, local=self.config.local)
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host = None
         self._metrics_lock = threading.Lock()

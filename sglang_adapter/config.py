@@ -13,6 +13,7 @@ see gcache.env)::
     "dual_pools":       true (default): SWA pages go to their own daemon pool ("swa"), with its
                         own budget; false: every page is tagged "kv" (one pool, for comparison)
     "skip_existing":    true (default): a backup asks which pages exist and sends only the rest
+    "local":            "auto" | "off" | "force": the same-host shared-memory path (default "auto")
     "config":           a gcache.toml whose [sglang] section gives defaults for these keys
                         (else $GCACHE_CONFIG, when set)
 
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gcache.client.config import LocalPath
 from gcache.env import resolve_cluster, resolve_token
 from gcache.errors import ConfigError
 
@@ -42,6 +44,7 @@ class AdapterConfig:
     skip_existing: bool = True
     masters: str | None = None
     token_file: str | None = None
+    local: LocalPath = LocalPath.AUTO
 
     def __post_init__(self) -> None:
         if not self.nodes and not self.masters:
@@ -80,9 +83,14 @@ class AdapterConfig:
         if isinstance(target, str):
             kwargs["masters"] = target
         for name, typ in (("namespace", str), ("timeout_s", (int, float)), ("connect_timeout_s", (int, float)),
-                          ("dual_pools", bool), ("skip_existing", bool), ("token_file", str)):
+                          ("dual_pools", bool), ("skip_existing", bool), ("token_file", str), ("local", str)):
             if name in extra:
                 if not isinstance(extra[name], typ):
                     raise ConfigError(f"gcache adapter: {name!r} has the wrong type: {extra[name]!r}")
                 kwargs[name] = extra[name]
+        if "local" in kwargs:
+            try:
+                kwargs["local"] = LocalPath(kwargs["local"])
+            except ValueError:
+                raise ConfigError(f"gcache adapter: 'local' must be auto, off or force, got {kwargs['local']!r}") from None
         return cls(nodes=() if isinstance(target, str) else tuple(target), **kwargs)

@@ -11,23 +11,51 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+#: host-pool attributes holding the pool's pages as one CPU tensor (MHA and MLA pools: ``kv_buffer``;
+#: pools with K and V apart: ``k_buffer`` / ``v_buffer``)
+_PAGE_TENSORS = ("kv_buffer", "k_buffer", "v_buffer")
+
 
 def _view(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
+def _spans(host_pool: Any) -> list[tuple[int, int, memoryview]]:
+    """(start, end, byte view) of each contiguous CPU page tensor of ``host_pool``, made per call
+    (a pool that reallocates its tensors is never read through a stale view)."""
+    import torch
+
+    out = []
+    for name in _PAGE_TENSORS:
+        t = getattr(host_pool, name, None)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+            start, n = int(t.data_ptr()), t.numel() * t.element_size()
+            out.append((start, start + n, _view(start, n)))
+    return out
+
+
 def page_views(host_pool: Any, host_indices: Any, n_pages: int) -> list[list[memoryview]]:
     """For each of ``n_pages`` pages at ``host_indices`` (page_size indices per page), the list of
     memoryviews over its buffers in the host pool. Raises ValueError if the pool's metadata does
-    not split evenly into pages."""
+    not split evenly into pages. A buffer inside one of the pool's page tensors is a slice of one
+    view of that tensor (one view per tensor, not per buffer); any other gets its own view."""
     if n_pages == 0:
         return []
     ptrs, sizes = host_pool.get_page_buffer_meta(host_indices)
     if len(ptrs) != len(sizes) or len(ptrs) % n_pages:
         raise ValueError(f"{type(host_pool).__name__}: {len(ptrs)} buffers for {n_pages} pages")
+    spans = _spans(host_pool)
+    views: list[memoryview] = []
+    for p, s in zip(ptrs, sizes):
+        p, s = int(p), int(s)
+        for start, end, whole in spans:
+            if start <= p and p + s <= end:
+                views.append(whole[p - start:p - start + s])
+                break
+        else:
+            views.append(_view(p, s))
     per = len(ptrs) // n_pages
-    return [[_view(int(p), int(s)) for p, s in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])]
-            for i in range(n_pages)]
+    return [views[i * per:(i + 1) * per] for i in range(n_pages)]
 
 
 def page_bytes(host_pool: Any) -> int:

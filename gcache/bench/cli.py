@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from gcache.bench import control_report, gpu_check, store_ops, swa_capacity, ucx_check
+from gcache.bench import adapter, control_report, gpu_check, scaling, store_ops, swa_capacity, ucx_check
 from gcache.tier.eviction import EvictionKind
 
 
@@ -113,6 +113,10 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
                 "the trace's own maximum"), _hitrate_args, "gcache.bench.hitrate"),
     "embedding": (("multimodal embeddings through the SGLang embedding store beside the raw client moving the "
                   "same bytes (needs sglang)"), _embedding_args, "gcache.bench.embedding"),
+    "adapter": (("the SGLang adapter's batch_get_v1 / batch_set_v1 beside the raw client moving the same "
+                 "pages, TCP and local (needs sglang)"), adapter.add_arguments, "gcache.bench.adapter"),
+    "scaling": (("the client thread / process curve of gcache (tcp) beside Redis and Mooncake: table and "
+                 "log-scale plot"), scaling.add_arguments, "gcache.bench.scaling"),
     "soak": (("mixed put/get/delete/overwrite on a local cluster with disks, a daemon killed and restarted "
              "halfway; counts wrong, stale and resurrected values (exit 1 if any)"), _soak_args,
              "gcache.bench.soak"),

@@ -11,7 +11,7 @@ import pytest
 from gcache.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("throughput", "hitrate", "embedding", "soak", "swa-capacity", "store-ops", "ucx-check", "gpu-check",
+COMMANDS = ("throughput", "hitrate", "embedding", "adapter", "scaling", "soak", "swa-capacity", "store-ops", "ucx-check", "gpu-check",
             "control-plane")
 
 

@@ -69,6 +69,10 @@ def test_adapter_config_validates(monkeypatch):
         AdapterConfig.from_extra({"nodes": ["a:1"], "timeout_s": "soon"})
     with pytest.raises(ConfigError):
         AdapterConfig.from_extra({"nodes": 7})
+    assert AdapterConfig.from_extra({"nodes": ["a:1"]}).local.value == "auto"
+    assert AdapterConfig.from_extra({"nodes": ["a:1"], "local": "off"}).local.value == "off"
+    with pytest.raises(ConfigError):
+        AdapterConfig.from_extra({"nodes": ["a:1"], "local": "sometimes"})
 
 
 def test_adapter_config_takes_masters_like_the_client(monkeypatch, tmp_path):
