@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from gcache.bench.driver import BenchError, Step, drive
+from gcache.bench.procs import GcacheProcs, combine, run_workers, wait_go
 from gcache.bench.records import Record, from_latencies, write_json
 from gcache.bench.targets import Buffers, GcacheTcp, Target, Unavailable, keys_per_thread
 from gcache.sizes import format_size, parse_size
@@ -103,49 +103,6 @@ def _redis_measure(port: int, prefix: str, mem_budget: int, op: str, size: int, 
             c.close()
 
 
-def _wait_go() -> None:
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit(1)
-
-
-def run_workers(cmds: list[list[str]], seconds: float) -> list[Record]:
-    """Start one process per command; when all have said ``ready`` (keys loaded), release them
-    together with ``go``; their records (the last stdout line of each, JSON)."""
-    workers = [subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for c in cmds]
-    try:
-        for w in workers:
-            line = w.stdout.readline() if w.stdout else ""
-            if line.strip() != "ready":
-                raise BenchError(f"a worker process failed before timing: {line.strip() or 'no output'}")
-        for w in workers:
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
-        recs = []
-        for w in workers:
-            out, _ = w.communicate(timeout=seconds * 10 + 120)
-            if w.returncode != 0:
-                raise BenchError(f"a worker process failed: exit {w.returncode}")
-            recs.append(Record(**json.loads(out.strip().splitlines()[-1])))
-        return recs
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-
-
-def combine(recs: list[Record], transport: str) -> Record:
-    """One record of processes running at once: rates summed, latencies pooled."""
-    import numpy as np
-
-    lat = [x for r in recs for x in r.latencies_ms]
-    p50, p99, p999 = (float(x) for x in np.percentile(np.asarray(lat), [50, 99, 99.9])) if lat else (0.0,) * 3
-    return replace(recs[0], gbps=sum(r.gbps for r in recs), ops_per_s=sum(r.ops_per_s for r in recs),
-                   p50_ms=p50, p99_ms=p99, p999_ms=p999, transport=transport, latencies_ms=lat)
-
-
 class RedisProcs(Target):
     """``procs`` redis-py client processes against one redis-server (the peer's)."""
 
@@ -168,7 +125,6 @@ class RedisProcs(Target):
 def run_scaling(addresses: list[str], mem_budget: int, sizes: tuple[int, ...], batches: tuple[int, ...],
                 threads: tuple[int, ...], procs: tuple[int, ...], ops: tuple[str, ...], seconds: float,
                 peers: tuple[str, ...], say: Any = print) -> list[Record]:
-    from gcache.bench.procs import GcacheProcs
     from gcache.bench.throughput import make_peer
 
     systems: list[Target] = []  # measured, in this order, for every configuration
@@ -342,7 +298,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def _redis_worker(argv: list[str]) -> int:
     port, mem_budget, op, size, batch, threads, seconds, index = argv
     rec = _redis_measure(int(port), f"p{index}", int(mem_budget), op, int(size), int(batch), int(threads),
-                         float(seconds), before_timing=_wait_go)
+                         float(seconds), before_timing=wait_go)
     print(json.dumps(asdict(rec)), flush=True)
     return 0
 
