@@ -23,14 +23,17 @@ def ram_used(client, node):
     return client.stats()[node]["ram_used"]
 
 
-@pytest.mark.parametrize("mode", [LocalPath.FORCE, LocalPath.OFF])
-def test_round_trips_byte_exact_on_both_paths(make_cluster, mode):
+@pytest.mark.parametrize(("mode", "local_min_bytes"), [(LocalPath.FORCE, 0), (LocalPath.FORCE, 256 << 10),
+                                                      (LocalPath.OFF, 0)])
+def test_round_trips_byte_exact_on_both_paths(make_cluster, mode, local_min_bytes):
+    """Local path: every request through the arena (0), or small ones inline over the Unix socket."""
     c = make_cluster(nodes=2, mem="64MiB")
     rng = np.random.default_rng(3)
     sizes = [0, 1, 63, 64, 4096, 100_000, 1 << 20, 3 << 20]
     keys = [f"v{s}" for s in sizes]
     vals = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
-    with Client(c.addresses, local=mode, connect_timeout_s=5.0) as cl:  # a loaded machine accepts slowly
+    with Client(c.addresses, local=mode, connect_timeout_s=5.0,  # a loaded machine accepts slowly
+                local_min_bytes=local_min_bytes) as cl:
         assert cl.put(keys, vals) == [Status.OK] * len(keys)
         out = [np.full(s + 7, 0xEE, np.uint8) for s in sizes]
         res = cl.get_into(keys, out)
@@ -87,7 +90,7 @@ def test_readers_racing_an_evicting_writer_never_see_torn_values(make_cluster):
 
     def writer(seed):
         rng = np.random.default_rng(seed)
-        with Client([addr], local=LocalPath.FORCE, timeout_s=5) as cl:
+        with Client([addr], local=LocalPath.FORCE, timeout_s=5, local_min_bytes=0) as cl:
             while not stop.is_set():
                 k = keys[int(rng.integers(len(keys)))]
                 cl.put([k], [self_checking(rng, 128 * 1024)])
@@ -96,7 +99,7 @@ def test_readers_racing_an_evicting_writer_never_see_torn_values(make_cluster):
     def reader():
         out = [np.empty(128 * 1024, np.uint8) for _ in range(4)]
         rng = np.random.default_rng()
-        with Client([addr], local=LocalPath.FORCE, timeout_s=5) as cl:
+        with Client([addr], local=LocalPath.FORCE, timeout_s=5, local_min_bytes=0) as cl:
             while not stop.is_set():
                 ks = [keys[int(i)] for i in rng.integers(0, len(keys), 4)]
                 res = cl.get_into(ks, out)
@@ -239,10 +242,24 @@ def test_a_readers_arena_mapping_is_read_only(make_cluster):
         assert "mode 0o600" in p.stdout
         assert p.returncode == -signal.SIGSEGV and "wrote" not in p.stdout, (p.returncode, p.stdout, p.stderr)
         assert cl.get_one("k") == b"hello" * 1000
-    with Client([addr], local=LocalPath.FORCE) as reader:  # a client that only reads maps read-only
+    with Client([addr], local=LocalPath.FORCE, local_min_bytes=0) as reader:  # one that only reads maps read-only
         assert reader.get_one("k") == b"hello" * 1000
         assert [v[2].readonly for v in reader._pool._arenas.values()] == [True]
         assert not reader._pool._rw_arenas
         assert reader.put_one("k2", b"w" * 100) is Status.OK  # its first put maps writable
         assert [v[2].readonly for v in reader._pool._rw_arenas.values()] == [False]
         assert reader.get_one("k2") == b"w" * 100
+
+
+def test_small_requests_go_inline_over_the_unix_socket_large_ones_through_the_arena(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB")
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.FORCE, local_min_bytes=32 << 10) as cl:
+        small = [b"s" * 4096] * 4  # 16 KiB in one request: values carried over the socket
+        assert cl.put(["a", "b", "c", "d"], small) == [Status.OK] * 4
+        assert not cl._pool._rw_arenas  # no slot was reserved and copied into
+        out = [bytearray(4096) for _ in range(4)]
+        assert cl.get_into(["a", "b", "c", "d"], out).hits == 4 and out == small
+        assert cl.put(["big"], [b"B" * (128 << 10)]) == [Status.OK]  # above the threshold: LALLOC
+        assert [v[2].readonly for v in cl._pool._rw_arenas.values()] == [False]
+        assert cl.get_one("big") == b"B" * (128 << 10)

@@ -170,8 +170,11 @@ class Worker:
         self.own_hot = [k for k in self.own if k < cfg.hot] or self.own
         self.hot = list(range(min(cfg.hot, cfg.keys)))
         self.report = SoakReport()
+        # even threads: TCP; odd ones the local path, every copy through the arena (t % 4 == 1)
+        # or small requests inline over its Unix socket (t % 4 == 3)
         self.client = Client(addresses, timeout_s=cfg.timeout_s, on_node_error=OnNodeError.MISS,
-                             local=LocalPath.OFF if t % 2 == 0 else LocalPath.FORCE)
+                             local=LocalPath.OFF if t % 2 == 0 else LocalPath.FORCE,
+                             local_min_bytes=0 if t % 4 == 1 else 256 << 10)
 
     def run(self, until: float) -> None:
         try:

@@ -87,7 +87,7 @@ class Client:
         self._watcher: MembershipWatcher | None = None
         self._staging: StagingPool | None = None
         self._fanout = Fanout(self._pool, cfg.timeout_s, cfg.split_bytes, cfg.split_keys, lambda: self._view,
-                              self.refresh_membership, rate_limited(0.05))
+                              self.refresh_membership, rate_limited(0.05), cfg.local_min_bytes)
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
             # one round trip: the watch stream's first message is the whole membership
             masters = MasterClient(nodes, cfg.token, timeout_s=cfg.connect_timeout_s * 2)

@@ -35,7 +35,10 @@ class ClientConfig:
     $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN). ``local``: the shared-memory path to daemons on
     this host. ``max_idle_per_node``: pooled connections kept per daemon. ``split_bytes`` /
     ``split_keys``: a large batch for one owner goes out as several requests of at most this
-    many bytes (puts) or keys (other ops), in flight at once. ``transport``: TCP, UCX (daemons
+    many bytes (puts) or keys (other ops), in flight at once. ``local_min_bytes``: over the local
+    path, a request carries its values over the Unix socket (one round trip) unless it moves at
+    least this many bytes per extra round trip of copying through the mapped arena instead (a get's
+    lease costs one, a put's two: LALLOC, LCOMMIT); 0 always copies through the arena. ``transport``: TCP, UCX (daemons
     run with ``--ucx``; UCX brings its own shared memory, so the local path is off; the UCX_*
     environment picks UCX's transports) or MEMORY (in-process daemons, for tests)."""
 
@@ -48,6 +51,7 @@ class ClientConfig:
     max_idle_per_node: int = 8
     split_bytes: int = 4 << 20
     split_keys: int = 64
+    local_min_bytes: int = 256 << 10
     transport: Transport = Transport.TCP
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class ClientConfig:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         if self.max_idle_per_node < 0:
             raise ConfigError("max_idle_per_node must be >= 0")
+        if self.local_min_bytes < 0:
+            raise ConfigError("local_min_bytes must be >= 0")
         for name, kind in (("on_node_error", OnNodeError), ("local", LocalPath), ("transport", Transport)):
             value = getattr(self, name)
             if not isinstance(value, kind):  # accept the enum's value ("miss", "tcp", ...) too

@@ -36,8 +36,10 @@ class Fanout:
     limit for refreshes that replies suggest)."""
 
     def __init__(self, pool: Pool, timeout_s: float, split_bytes: int, split_keys: int,
-                 view: Callable[[], RoutingView], refresh: Callable[[], bool], may_refresh: Callable[[], bool]) -> None:
+                 view: Callable[[], RoutingView], refresh: Callable[[], bool], may_refresh: Callable[[], bool],
+                 local_min_bytes: int = 0) -> None:
         self.pool = pool
+        self.local_min_bytes = local_min_bytes
         self.timeout_s = timeout_s
         self.split_bytes, self.split_keys = split_bytes, split_keys
         self.view, self.refresh, self.may_refresh = view, refresh, may_refresh
@@ -86,14 +88,22 @@ class Fanout:
         sending: dict[int, Job] = {}  # frames the socket did not take at once
         sent: dict[int, Job] = {}  # whole frames out: replies to read
 
+        def leased(idxs: list[int], conn: Connection) -> bool:
+            """Whether this request copies through the mapped arena (the local path's lease
+            protocol) rather than carrying its values over the stream."""
+            if conn.arena is None or op.local_op is None:
+                return False
+            sizes = op.sizes
+            return sizes is None or sum([sizes[i] for i in idxs]) >= self.local_min_bytes * op.lease_round_trips
+
         def request(idxs: list[int], conn: Connection) -> tuple[Op, dict[str, Any], list[memoryview]]:
             meta, payload = op.request(idxs, [kbytes[i] for i in idxs])
             if epoch:
                 meta["ep"] = epoch
             if fallback:
                 meta["fb"] = 1
-            if conn.arena is not None and op.local_op is not None:  # the local path: slots, not payload
-                return op.local_op, meta, []
+            if leased(idxs, conn):  # slots, not payload
+                return op.local_op, meta, []  # type: ignore[return-value]
             return op.op, meta, payload
 
         def receive(idxs: list[int], conn: Connection) -> bool:
@@ -104,7 +114,7 @@ class Fanout:
             tomb = meta.get("tomb")
             if final is not None and isinstance(tomb, list):
                 final.update(idxs[j] for j in tomb if isinstance(j, int) and 0 <= j < len(idxs))
-            if conn.arena is not None and op.local_op is not None:
+            if leased(idxs, conn):
                 op.finish_local(idxs, meta, conn, self.pool, deadline)  # copy through the mapped arena
             else:
                 op.finish(idxs, meta, plen, conn, deadline)

@@ -28,6 +28,7 @@ class Operation:
     """The base: an operation on keys only (EXISTS, DELETE), one Status per key back."""
 
     local_op: Op | None = None  # what a request over the local path is (None: the same as over TCP)
+    lease_round_trips = 1  # synchronous round trips of local_op's lease protocol (LGET; LDONE is one-way)
     sizes: Sequence[int] | None = None  # per-key bytes, when known (splits large batches)
 
     def __init__(self, op: Op, ns: str, n: int, per_key: dict[str, list[int]] | None = None) -> None:
@@ -56,6 +57,7 @@ class PutOp(Operation):
     their metadata fields (one value for all keys, or one per key)."""
 
     local_op = Op.LALLOC
+    lease_round_trips = 2  # LALLOC, then LCOMMIT
 
     def __init__(self, ns: str, views: list[list[memoryview]], fields: dict[str, Any], pool: str | None,
                  handover: bool) -> None:
