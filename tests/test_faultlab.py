@@ -131,7 +131,7 @@ def test_leader_master_in_a_minority_partition_majority_elects_minority_leader_s
     d0 = lab.daemon(0)
     lab.call("start", keys=200)
     load_running(lab)
-    frozen_epoch = lab.status(old)["membership"]["epoch"]
+    frozen_epoch = lab.answered_status(old)["membership"]["epoch"]
     # {old leader, d0} | {the other masters, d1, d2}; the client reaches both sides
     t0 = time.monotonic()
     for a in (old, d0):
@@ -139,16 +139,16 @@ def test_leader_master_in_a_minority_partition_majority_elects_minority_leader_s
     new = poll(lambda: lab.leader(among=others), 5)
     elected = time.monotonic() - t0
     assert new is not None, "the majority elected no leader"
-    assert poll(lambda: not lab.status(old)["master"]["is_leader"], 3), "the minority leader did not step down"
+    assert poll(lambda: not lab.answered_status(old)["master"]["is_leader"], 3), "the minority leader did not step down"
     stepped_down = time.monotonic() - t0
     assert poll(lambda: lab.serves(d0).get("fenced"), cfg.fence_after_s + 2), "d0 (minority side) never fenced"
     assert poll(lambda: lab.states(via=new).get("d0", ("?",))[0] == "down", cfg.down_after_s + 3)
     # the minority side changed nothing: its table is where it was
-    assert lab.status(old)["membership"]["epoch"] == frozen_epoch
+    assert lab.answered_status(old)["membership"]["epoch"] == frozen_epoch
     lab.net.heal(old)
     lab.net.heal(d0)
     assert poll(lambda: settled(lab, {"d0": 2, "d1": 1, "d2": 1}), 15), lab.states()
-    assert not lab.status(old)["master"]["is_leader"] or lab.leader() is old
+    assert not lab.answered_status(old)["master"]["is_leader"] or lab.leader() is old
     before = lab.call("stats")["reads"]
     assert poll(lambda: lab.call("stats")["reads"] > before + 50, 10)
     stats = lab.call("stop")

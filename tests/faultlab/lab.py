@@ -186,6 +186,16 @@ class Lab:
     def status(self, m: Host) -> dict[str, Any]:
         return self.call("status", master=self.grpc_address(m))
 
+    def answered_status(self, m: Host, timeout_s: float = 5.0) -> dict[str, Any]:
+        """status() of a master that is up, waiting out a call lost on a busy machine (an
+        {"error": ...} answer) for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status(m)
+            if "error" not in st or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
     def leader(self, among: list[Host] | None = None) -> Host | None:
         """The master that says it leads (the highest term if two do), or None."""
         best = None
