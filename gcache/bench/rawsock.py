@@ -15,7 +15,7 @@ import threading
 import time
 
 from gcache.net.stream import SocketStream, Stream
-from gcache.net.wire import recv_exact, send_all, tune
+from gcache.net.wire import recv_exact, recv_scatter, send_all, tune
 
 REQ = struct.Struct("<cQQ")  # op (b"G" / b"P"), bytes, bytes per message (0: one message)
 
@@ -38,7 +38,7 @@ def answer(stream: Stream, buf: memoryview) -> None:
             if op == b"G":
                 send_all(stream, pieces(buf, n, piece))
             else:
-                recv_exact(stream, buf[:n])
+                recv_scatter(stream, pieces(buf, n, piece))  # one message a value, as gcache's
                 send_all(stream, [b"k"])
     except (OSError, ConnectionError):
         stream.close()
@@ -75,7 +75,7 @@ class RawSocketPeer:
 
     def get(self, n: int, piece: int = 0) -> None:
         send_all(self.stream, [REQ.pack(b"G", n, piece)])
-        recv_exact(self.stream, self.buf[:n])
+        recv_scatter(self.stream, pieces(self.buf, n, piece))  # one view a value, as gcache's
 
     def put(self, n: int, piece: int = 0) -> None:
         send_all(self.stream, [REQ.pack(b"P", n, piece), *pieces(self.buf, n, piece)])

@@ -81,6 +81,42 @@ class UcxStream:
             info = self._until(self._probe, deadline)
         except ConnectionResetError:
             return 0  # the peer closed: EOF, as a socket would say
+        return self._take(info, view, deadline)
+
+    def recvmsg_into(self, buffers: Iterable[Any], /) -> tuple[int, list[Any], int, Any]:
+        """Scatter read: the next messages, each exactly one buffer's size, are all received at
+        once (a receive is posted as soon as its message is announced, so the transfers overlap
+        instead of following one another); a message of another size ends the read, taken as
+        recv_into would take it. Returns what socket.recvmsg_into does (a short count is fine)."""
+        views = [v for v in map(_bytes_view, buffers) if len(v)]
+        if self._rest is not None or len(views) < 2:
+            return (self.recv_into(views[0]) if views else 0), [], 0, None
+        deadline = self._deadline()
+        self._finish_posted(deadline)
+        reqs: list[Any] = []
+        total = 0
+        try:
+            for view in views:
+                try:
+                    info = self._until(self._probe, deadline)
+                except ConnectionResetError:
+                    break  # what was announced is still received; the next read says EOF
+                if info.length != len(view):
+                    self._complete(reqs, deadline)
+                    reqs = []
+                    total += self._take(info, view, deadline)
+                    break
+                reqs.append(self._w.tag_recv_with_handle(self._Array(view), info))
+                total += len(view)
+            self._complete(reqs, deadline)
+        except BaseException:
+            self._cancel()  # nothing may land in the caller's buffers after we return
+            raise
+        return total, [], 0, None
+
+    def _take(self, info: Any, view: memoryview, deadline: float | None) -> int:
+        """Receive the announced message ``info`` into ``view``: straight in when it fits, else
+        the first len(view) bytes (the rest is kept for the next read)."""
         size = info.length
         if size <= len(view):  # the common case: straight into the destination
             self._complete([self._w.tag_recv_with_handle(self._Array(view[:size]), info)], deadline)
