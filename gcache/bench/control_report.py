@@ -11,7 +11,8 @@ import sys
 import threading
 from typing import Any
 
-from gcache.bench.control import TARGETS, ControlConfig, memory_watchdog, run
+from gcache.bench.control import TARGETS, ControlConfig, run
+from gcache.bench.control_procs import memory_watchdog
 from gcache.bench.driver import BenchError
 from gcache.bench.records import machine_info, versions
 

@@ -37,7 +37,8 @@ CAPACITY = (64 + 1024) << 30  # 64 GiB RAM + 1 TiB NVMe: the capacity that made 
 
 def epoch_of(raw: bytes) -> int:
     """The epoch of an encoded membership without decoding its node list (it is the first key)."""
-    u = msgpack.Unpacker(raw=False)
+    # a buffer of the message's size: by default an Unpacker allocates 1 MiB, per message
+    u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 16))
     u.feed(raw)
     u.read_map_header()
     if u.unpack() != "epoch":
@@ -45,9 +46,22 @@ def epoch_of(raw: bytes) -> int:
     return int(u.unpack())
 
 
+# What one connection may hold of messages its stream has not read yet. By default grpc's
+# bandwidth probe widens a busy connection's receive window to megabytes: when epochs moved in
+# bursts (whole memberships, 45 KB each, to every watcher) faster than this process's one loop
+# read its thousands of streams, the unread bytes piled up in grpc, 0.3 -> 2-4 GB per process.
+SIM_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0),
+                       ("grpc.http2.lookahead_bytes", 16384)]
+
+
 def _channel(address: str) -> grpc.aio.Channel:
     # a connection of its own, as a separate client process would have
-    return grpc.aio.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    return grpc.aio.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS, *SIM_CHANNEL_OPTIONS])
+
+
+def _own_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) * 1024
 
 
 async def _serve_pipe(conn: Any, handle: Any) -> None:
@@ -194,6 +208,7 @@ class Watchers:
         self.seen_t: list[list[float]] = [[] for _ in range(count)]  # wall time of each membership...
         self.seen_e: list[list[int]] = [[] for _ in range(count)]  # ...and its epoch
         self.attaches = 0
+        self.messages = self.bytes = 0
         self.calls: list[Any] = [None] * count
         self.move_to: list[str | None] = [None] * count  # rebalance: the master to attach to next
 
@@ -230,6 +245,8 @@ class Watchers:
                         self.first_at[i] = self.first_at[i] or now
                         self.attaches += 1
                         backoff.reset()
+                    self.messages += 1
+                    self.bytes += len(raw)
                     self.seen_t[i].append(now)
                     self.seen_e[i].append(epoch_of(raw))
             except grpc.aio.AioRpcError:
@@ -247,6 +264,13 @@ class Watchers:
     def handle(self, cmd: str, arg: Any) -> Any:
         if cmd == "attached":
             return sum(a is not None for a in self.attached)
+        if cmd == "malloc_trim":  # give freed heap back to the system; the RSS before and after (bytes)
+            import ctypes
+            before = _own_rss()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            return before, _own_rss()
+        if cmd == "counters":  # since the start: streams that delivered a membership, messages, bytes
+            return {"attaches": self.attaches, "messages": self.messages, "bytes": self.bytes}
         if cmd == "spread":  # how many watchers each master holds
             out: dict[str, int] = {}
             for a in self.attached:

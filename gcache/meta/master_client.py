@@ -131,6 +131,11 @@ class MasterClient:
         already) the first message may be ``{"epoch": known, "unchanged": True}``."""
         return self._method(address, "WatchMembership", streaming=True)({"known": known}, metadata=self._md())
 
+    def connect(self, address: str, timeout_s: float) -> None:
+        """Wait until this client's connection to ``address`` is set up (grpc.FutureTimeoutError
+        after ``timeout_s``)."""
+        grpc.channel_ready_future(self._channels[address]).result(timeout=timeout_s)
+
     def shuffled(self) -> list[str]:
         """The masters in a random order (each watcher starts somewhere else)."""
         return random.sample(self.addresses, len(self.addresses))
