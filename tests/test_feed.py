@@ -9,7 +9,7 @@ import random
 
 from gcache.meta import rpc
 from gcache.meta.delta import apply, routing_view
-from gcache.meta.feed import MembershipFeed
+from gcache.meta.feed import OLDER_PER_EPOCH, MembershipFeed
 from gcache.meta.nodetable import CommandError, GiB, NodeTable
 from tests.test_delta import random_commands
 
@@ -48,6 +48,12 @@ def test_a_watcher_epochs_behind_gets_a_delta_from_what_it_holds():
             assert feed.payload(snap, known) is raw  # made once, shared by every watcher at that epoch
         assert feed.payload(snap, epochs[-9]) == snap.encoded  # forgotten here: the whole membership
         assert feed.payload(snap, -1) == snap.encoded  # a new client
+        many = MembershipFeed(history=len(epochs))  # a storm: late watchers at many epochs
+        for e in epochs:
+            many.offer(e, rpc.pack(ms[e]))
+        late = [many.payload(many.current, k) for k in epochs[:-1]]
+        # the delta from the epoch just before, and a bounded number from earlier ones
+        assert sum(raw != many.current.encoded for raw in late) == 1 + OLDER_PER_EPOCH
         assert feed.payload(snap, snap.epoch + 5) == snap.encoded  # ahead of this master
         await asyncio.sleep(0)  # let the fan-out tasks finish
 

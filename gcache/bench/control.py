@@ -29,6 +29,7 @@ from gcache.bench.control_load import Bootstraps, bootstraps, churn, driver_lag,
 from gcache.bench.control_procs import MasterSampler, SimProc, pct, wait_for
 from gcache.bench.control_sim import daemons_process, watchers_process
 from gcache.bench.driver import BenchError
+from gcache.client.routing import STANDBY_AFTER_S
 from gcache.cluster import LocalCluster
 from gcache.errors import GCacheError
 from gcache.meta.master import FRONT_NICE
@@ -130,6 +131,7 @@ class ControlBench:
         t0 = time.monotonic()
         wait_for(lambda: sum(p.ask("attached") for p in self.watcher_procs) == c.watchers, 600, "watchers to attach")
         self.log(f"  {c.watchers} watchers attached in {time.monotonic() - t0:.1f}s")
+        time.sleep(STANDBY_AFTER_S[1])  # their standby connections are open before the steady phase
 
     def _observe(self, m: Membership) -> None:
         now = time.time()
@@ -281,8 +283,9 @@ class ControlBench:
         elected_s = (st.get("leader_since") or t_kill) - t_kill  # by the new leader's own account
         wait_for(lambda: sum(p.ask("reattach", (dead, t_kill))["pending"] for p in self.watcher_procs) == 0, 60,
                  "every watcher to re-attach", every_s=0.05)
-        moved = [p.ask("reattach", (dead, t_kill)) for p in self.watcher_procs]
+        moved = [p.ask("reattach", (dead, t_kill, True)) for p in self.watcher_procs]
         reattach_s = max(m["last_s"] for m in moved)
+        each = pct([t for m in moved for t in m["times"]], scale=1.0)
         self.cluster.restart(leader, master=True)
         self._renice()
         wait_for(lambda: (self._status(dead) or {}).get("leader"), 60, "the restarted master to rejoin")
@@ -295,7 +298,7 @@ class ControlBench:
                  "the watchers to settle after rebalancing")
         time.sleep(1.0)
         return {"leader_s": round(leader_s, 3), "elected_s": round(elected_s, 3), "reattach_s": round(reattach_s, 3),
-                "moved": sum(m["moved"] for m in moved)}
+                "reattach_each_s": each, "moved": sum(m["moved"] for m in moved)}
 
 
     def masters_agree(self) -> bool:

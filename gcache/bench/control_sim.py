@@ -8,7 +8,8 @@ event loops in a few processes, speaking the real control protocol to real maste
 * A simulated client is one WatchMembership stream on a connection of its own, attached to a
   random master and re-attached to the next one after a jittered backoff when the stream
   breaks (like gcache.client.routing.MembershipWatcher: after a stream that worked, within
-  uniform(0, 1 s)). It reads only the epoch of each message (a real client also applies deltas
+  uniform(0, 1 s), over the standby connection it opened a few seconds after attaching). It
+  reads only the epoch of each message (a real client also applies deltas
   and builds a ring, which costs the client, not the master).
 
 Each process runs one asyncio loop and answers the driver's commands over a pipe.
@@ -26,7 +27,7 @@ from typing import Any
 import grpc
 import msgpack
 
-from gcache.client.routing import REATTACH_SPREAD_S
+from gcache.client.routing import REATTACH_SPREAD_S, STANDBY_AFTER_S
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient, beat_key, seal, unseal
 from gcache.meta.master_client import Backoff
@@ -218,12 +219,20 @@ class Watchers:
         if call is not None:
             call.cancel()
 
+    @staticmethod
+    def _prepare(chans: dict[str, grpc.aio.Channel], standby: str) -> None:
+        if standby not in chans:  # MasterClient.prepare: connect now, no call
+            chans[standby] = _channel(standby)
+            chans[standby].get_state(try_to_connect=True)
+
     async def run_one(self, i: int) -> None:
         order = random.sample(self.masters, len(self.masters))
-        # a connection to the master it watches, closed when the stream ends: 10,000 simulated
-        # clients holding idle connections to every master they had used took ~14 GB here
+        # the connection to the master it watches, and (like MembershipWatcher) a standby one to
+        # the master it would re-attach to, opened STANDBY_AFTER_S after attaching; others closed
         chans: dict[str, grpc.aio.Channel] = {}
         backoff = Backoff()
+        loop = asyncio.get_running_loop()
+        standby_timer: asyncio.TimerHandle | None = None
         k = 0
         while True:
             address = order[k % len(order)]
@@ -231,6 +240,9 @@ class Watchers:
             moved_to = self.move_to[i]
             if moved_to is not None:
                 address, self.move_to[i] = moved_to, None
+            standby = order[k % len(order)]
+            for a in [a for a in chans if a not in (address, standby)]:
+                await chans.pop(a).close()
             ch = chans.get(address)
             if ch is None:
                 ch = chans[address] = _channel(address)
@@ -245,6 +257,11 @@ class Watchers:
                         self.first_at[i] = self.first_at[i] or now
                         self.attaches += 1
                         backoff.reset()
+                        if standby != address:
+                            if standby_timer is not None:
+                                standby_timer.cancel()
+                            standby_timer = loop.call_later(random.uniform(*STANDBY_AFTER_S), self._prepare, chans,
+                                                            standby)
                     self.messages += 1
                     self.bytes += len(raw)
                     self.seen_t[i].append(now)
@@ -284,11 +301,13 @@ class Watchers:
                 if self.attached[i] != to and random.random() < 1 / len(self.masters):
                     loop.call_later(random.uniform(0, seconds), self._move, i, to)
             return None
-        if cmd == "reattach":  # arg: (dead master, kill time)
-            dead, t_kill = arg
+        if cmd == "reattach":  # arg: (dead master, kill time[, True: each re-attach's time too])
+            dead, t_kill, *times = arg
             pending = sum(a is None or a == dead for a in self.attached)
+            if not times:
+                return {"pending": pending}
             moved = [t - t_kill for t in self.attached_at if t > t_kill]
-            return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0)}
+            return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0), "times": moved}
         if cmd == "propagation":  # arg: [(epoch, t0)]: seconds until each watcher saw that epoch or later
             lats: list[list[float]] = []
             for epoch, t0 in arg:

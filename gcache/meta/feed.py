@@ -5,8 +5,8 @@ the encoded membership whenever the epoch moves; ``offer`` takes it, encodes the
 previous one (gcache.meta.delta: a few hundred bytes where the membership is tens of KB) and
 wakes the watchers; a watcher that held the previous epoch is sent the delta. A watcher further
 behind (epochs moved faster than a fan-out, or it re-attaches after its master failed) is sent
-the delta from the epoch it holds, as long as that is one of the last ``HISTORY`` epochs here
-(computed once per such epoch and shared), else the whole membership.
+the delta from the epoch it holds when that is one of the last ``HISTORY`` epochs here (computed
+once per such epoch and shared, for a bounded number of them), else the whole membership.
 Waking thousands of streams at once would hold the loop (and grpc's completion queue) for the
 whole fan-out, so other RPCs (new clients, registrations) would queue behind it: the watchers are
 woken in slices with a short pause between them, which keeps every other RPC's wait to about one
@@ -26,9 +26,11 @@ from gcache.meta.delta import diff
 
 log = logging.getLogger(__name__)
 
-# memberships kept (encoded, ~90 bytes a node) to send a late watcher a delta instead of the
-# whole: a burst of state changes (a loaded machine, a leader change) can be hundreds of epochs
-HISTORY = 512
+# A late watcher's delta costs a diff on this loop (~1 ms for 500 nodes), so only so many: the
+# last HISTORY memberships are kept (decoded, as offer has them), and each epoch computes deltas
+# from at most OLDER_PER_EPOCH earlier ones; a watcher further behind gets the whole membership.
+HISTORY = 32
+OLDER_PER_EPOCH = 8
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class MembershipFeed:
         self._epoch_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self.current = Snapshot(-1, b"")
         self._held: dict[str, Any] | None = None  # the current membership, decoded (to diff the next one)
-        self._history: OrderedDict[int, bytes] = OrderedDict()  # the last HISTORY, by epoch
+        self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()  # the last HISTORY, by epoch
         self.published = 0  # epochs published (for status)
         self.watchers = 0
 
@@ -70,7 +72,7 @@ class MembershipFeed:
         delta = rpc.pack(diff(self._held, m)) if self._held is not None else b""
         base = self._held["epoch"] if self._held is not None else -2
         self._held = m
-        self._history[epoch] = encoded
+        self._history[epoch] = m
         while len(self._history) > self.history:
             self._history.popitem(last=False)
         self.current = Snapshot(epoch, encoded, rpc.pack({"epoch": epoch, "unchanged": True}), base, delta)
@@ -103,11 +105,10 @@ class MembershipFeed:
             return snap.delta
         out = snap.older.get(known)
         if out is None:
-            prev = self._history.get(known)
-            if prev is None or known >= snap.epoch:
+            prev, cur = self._history.get(known), self._history.get(snap.epoch)
+            if prev is None or cur is None or known >= snap.epoch or len(snap.older) >= OLDER_PER_EPOCH:
                 return snap.encoded
-            cur = self._held if self._held is not None and self._held["epoch"] == snap.epoch else rpc.unpack(snap.encoded)
-            out = snap.older[known] = rpc.pack(diff(rpc.unpack(prev), cur))
+            out = snap.older[known] = rpc.pack(diff(prev, cur))
         return out
 
     async def next_after(self, known: int) -> Snapshot:
