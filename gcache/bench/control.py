@@ -56,6 +56,7 @@ class ControlConfig:
     ramp_per_s: float = 250.0  # watchers started per second per process
     daemons_per_s: float = 50.0  # daemons registering per second at start-up
     nice: int = 0  # e.g. -10: every process of the bench ahead of the rest of a shared machine
+    standby: bool = True  # simulated clients keep a standby connection, as MembershipWatcher does
     root: str | None = None
 
     def __post_init__(self) -> None:
@@ -114,8 +115,7 @@ class ControlBench:
             self.procs.append(SimProc(daemons_process, self.addresses, self.token, first, min(per, c.daemons - first),
                                     c.daemons / c.daemons_per_s, max(-20, c.nice - CORE_AHEAD) if c.nice else 0))
         wait_for(lambda: sum(p.ask("registered") for p in self.procs) == c.daemons, 180, "daemons to register")
-        wait_for(lambda: self.mc.call("Status", {})["membership"]["transition"] is None, 120,
-                 "the daemons' handovers to finish")
+        wait_for(self._no_transition, 120, "the daemons' handovers to finish", every_s=1.0)
         self.log(f"  {c.daemons} daemons registered and heartbeating")
         from gcache.client.routing import MembershipWatcher
 
@@ -125,13 +125,21 @@ class ControlBench:
             # below the simulated daemons: in a fleet they run on other hosts, and here a watcher
             # reconnect storm must not delay the heartbeats the failure detector judges
             p = SimProc(watchers_process, self.addresses, self.token, min(per, c.watchers - n), c.ramp_per_s,
-                      c.nice + WATCHER_NICE if c.nice else 0)
+                        c.nice + WATCHER_NICE if c.nice else 0, c.standby)
             self.watcher_procs.append(p)
             self.procs.append(p)
         t0 = time.monotonic()
         wait_for(lambda: sum(p.ask("attached") for p in self.watcher_procs) == c.watchers, 600, "watchers to attach")
         self.log(f"  {c.watchers} watchers attached in {time.monotonic() - t0:.1f}s")
-        time.sleep(STANDBY_AFTER_S[1])  # their standby connections are open before the steady phase
+        if c.standby:
+            time.sleep(STANDBY_AFTER_S[1])  # their standby connections are open before the steady phase
+
+    def _no_transition(self) -> bool:
+        """No handover is open (False too while no master answers: 500 registrations keep them busy)."""
+        try:
+            return self.mc.call("Status", {"brief": False}, timeout_s=5.0)["membership"]["transition"] is None
+        except GCacheError:
+            return False
 
     def _observe(self, m: Membership) -> None:
         now = time.time()

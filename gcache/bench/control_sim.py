@@ -201,8 +201,8 @@ def daemons_process(conn: Any, masters: list[str], token: str, first: int, count
 
 # -- clients (watchers) ------------------------------------------------------------------------
 class Watchers:
-    def __init__(self, masters: list[str], token: str, count: int) -> None:
-        self.masters, self.md, self.count = masters, ((rpc.TOKEN_HEADER, token),), count
+    def __init__(self, masters: list[str], token: str, count: int, standby: bool = True) -> None:
+        self.masters, self.md, self.count, self.standby = masters, ((rpc.TOKEN_HEADER, token),), count, standby
         self.attached: list[str | None] = [None] * count  # master each watcher is attached to
         self.attached_at = [0.0] * count  # wall time of its last attach
         self.first_at = [0.0] * count  # wall time of its first membership
@@ -257,7 +257,7 @@ class Watchers:
                         self.first_at[i] = self.first_at[i] or now
                         self.attaches += 1
                         backoff.reset()
-                        if standby != address:
+                        if self.standby and standby != address:
                             if standby_timer is not None:
                                 standby_timer.cancel()
                             standby_timer = loop.call_later(random.uniform(*STANDBY_AFTER_S), self._prepare, chans,
@@ -333,8 +333,9 @@ class Watchers:
         raise ValueError(cmd)
 
 
-async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float) -> None:
-    w = Watchers(masters, token, count)
+async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float,
+                         standby: bool) -> None:
+    w = Watchers(masters, token, count, standby)
     tasks = []
     for i in range(count):
         tasks.append(asyncio.create_task(w.run_one(i)))
@@ -346,7 +347,7 @@ async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, 
 
 
 def watchers_process(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float,
-                     nice: int = 0) -> None:
+                     nice: int = 0, standby: bool = True) -> None:
     if nice:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
-    asyncio.run(_watchers_main(conn, masters, token, count, ramp_per_s))
+    asyncio.run(_watchers_main(conn, masters, token, count, ramp_per_s, standby))
