@@ -1,18 +1,23 @@
 """``gcache bench control-plane``: the master group under a simulated fleet.
 
 Real master processes (a Raft group), simulated daemons and clients multiplexed in a few
-processes (gcache.bench.control_sim). Measured, in one run per watcher count:
+processes (gcache.bench.control_sim), the steady phase's load from the driver's threads
+(gcache.bench.control_load), the processes' plumbing in gcache.bench.control_procs. Measured, in
+one run per watcher count:
 
 * client bootstrap: a new client's time to its first membership (new connection, one watch
-  stream, first message), sampled while the load runs; and the full ``Client("gcache://...")``
-  (which also builds the ring) for a few;
+  stream, first message), split into the connection and the first message, with the fronts' own
+  view (loop lag, handler start to first message written) and the driver's lag, sampled while
+  the load runs; and the full ``Client("gcache://...")`` (which also builds the ring) for a few;
 * membership propagation: from the RPC that changed the epoch (a node joins, is drained, leaves)
   to each watcher receiving it; p50/p99/max over every (change, watcher);
 * heartbeat RPC latency (each daemon heartbeats each master every second);
 * false DOWN: nodes declared DOWN (all simulated daemons are alive), and re-registrations;
 * master CPU (% of one core) and peak RSS over the steady phase;
 * leader failover under the load: kill -9 the leader, time until another master leads with a
-  higher term; and until every watcher of the killed master has re-attached elsewhere.
+  higher term; and until every watcher of the killed master has re-attached elsewhere (each
+  watcher's time too);
+* the simulator processes' peak RSS.
 """
 
 from __future__ import annotations
