@@ -134,3 +134,34 @@ def test_a_client_follows_epochs_through_deltas(master):
         assert poll(lambda: c.membership.owners().keys() == {"a"}, 10)
         raw.cancel()
     mc.close()
+
+
+def test_a_watcher_re_attaches_over_its_standby_connection_when_its_master_dies(tmp_path, monkeypatch):
+    """Once attached, a watcher opens a connection to the master it would try next (a few seconds
+    later: here at once) and, when its master is killed, re-attaches there over that connection."""
+    from gcache.client import routing
+    from gcache.client.routing import MembershipWatcher
+
+    monkeypatch.setattr(routing, "STANDBY_AFTER_S", (0.0, 0.0))
+    monkeypatch.setattr(routing, "REATTACH_SPREAD_S", 0.1)
+    c = LocalCluster(nodes=0, masters=3, root=str(tmp_path))
+    c.start()
+    mc = MasterClient(c.master_url, c.token, timeout_s=2.0)
+    seen: list[int] = []
+    w = MembershipWatcher(MasterClient(c.master_url, c.token), lambda m: seen.append(m.epoch))
+    try:
+        mc.call("Register", {"node": "n0", "address": "127.0.0.1:1", "capacity": 1 << 30}, timeout_s=5.0)
+        w.start()
+        assert w.wait_first(10.0) and w.address
+        order = w.masters.addresses
+        standby = [a for a in order if a != w.address]
+        assert poll(lambda: sum(w.masters.prepared(a) for a in standby) == 1, 5), "no standby connection"
+        (ready,) = [a for a in standby if w.masters.prepared(a)]
+        watched = next(i for i, m in enumerate(c.master_procs) if m.address == w.address)
+        c.kill(watched, master=True)
+        assert poll(lambda: w.attaches == 2, 10), "did not re-attach"
+        assert w.address == ready  # the master whose connection was open
+    finally:
+        w.stop()
+        mc.close()
+        c.stop()

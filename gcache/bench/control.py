@@ -1,26 +1,28 @@
 """``gcache bench control-plane``: the master group under a simulated fleet.
 
 Real master processes (a Raft group), simulated daemons and clients multiplexed in a few
-processes (gcache.bench.control_sim). Measured, in one run per watcher count:
+processes (gcache.bench.control_sim), the steady phase's load from the driver's threads
+(gcache.bench.control_load), the processes' plumbing in gcache.bench.control_procs. Measured, in
+one run per watcher count:
 
 * client bootstrap: a new client's time to its first membership (new connection, one watch
-  stream, first message), sampled while the load runs; and the full ``Client("gcache://...")``
-  (which also builds the ring) for a few;
+  stream, first message), split into the connection and the first message, with the fronts' own
+  view (loop lag, handler start to first message written) and the driver's lag, sampled while
+  the load runs; and the full ``Client("gcache://...")`` (which also builds the ring) for a few;
 * membership propagation: from the RPC that changed the epoch (a node joins, is drained, leaves)
   to each watcher receiving it; p50/p99/max over every (change, watcher);
 * heartbeat RPC latency (each daemon heartbeats each master every second);
 * false DOWN: nodes declared DOWN (all simulated daemons are alive), and re-registrations;
 * master CPU (% of one core) and peak RSS over the steady phase;
 * leader failover under the load: kill -9 the leader, time until another master leads with a
-  higher term; and until every watcher of the killed master has re-attached elsewhere.
+  higher term; and until every watcher of the killed master has re-attached elsewhere (each
+  watcher's time too);
+* the simulator processes' peak RSS.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import random
-import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,8 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from gcache.bench.control_load import Bootstraps, bootstraps, churn, driver_lag, slow_bootstraps
+from gcache.bench.control_procs import MasterSampler, SimProc, pct, wait_for
 from gcache.bench.control_sim import daemons_process, watchers_process
 from gcache.bench.driver import BenchError
+from gcache.client.routing import STANDBY_AFTER_S
 from gcache.cluster import LocalCluster
 from gcache.errors import GCacheError
 from gcache.meta.master import FRONT_NICE
@@ -56,6 +61,7 @@ class ControlConfig:
     ramp_per_s: float = 250.0  # watchers started per second per process
     daemons_per_s: float = 50.0  # daemons registering per second at start-up
     nice: int = 0  # e.g. -10: every process of the bench ahead of the rest of a shared machine
+    standby: bool = True  # simulated clients keep a standby connection, as MembershipWatcher does
     root: str | None = None
 
     def __post_init__(self) -> None:
@@ -63,87 +69,12 @@ class ControlConfig:
             raise BenchError("need watchers >= 1, daemons >= 1, masters in 1/3/5, seconds > 0")
 
 
-def pct(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    if not values:
-        return {"n": 0}
-    a = np.asarray(values, dtype=np.float64) * scale
-    return {"n": len(values), "p50": round(float(np.percentile(a, 50)), 2),
-            "p99": round(float(np.percentile(a, 99)), 2), "max": round(float(a.max()), 2)}
-
-
-def wait_for(pred: Any, timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every_s)
-    raise BenchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-class _Proc:
-    """A simulator process and the pipe the driver talks to it through."""
-
-    def __init__(self, target: Any, *args: Any) -> None:
-        ctx = mp.get_context("spawn")  # grpc does not survive fork
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-
-    def ask(self, cmd: str, arg: Any = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self.conn.recv()
-
-    def stop(self) -> None:
-        try:
-            self.ask("stop")
-        except (OSError, EOFError):
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) * 1024
-    except (OSError, StopIteration):
-        return 0
-
-
-class _MasterSampler(threading.Thread):
-    """CPU seconds and peak RSS of each master: its front and core processes together."""
-
-    def __init__(self, pids: list[tuple[int, ...]]) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.peak_rss = pids, dict.fromkeys(pids, 0)
-        self.stop_ev = threading.Event()
-
-    @staticmethod
-    def cpu_s(pids: tuple[int, ...]) -> float:
-        total = 0.0
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except OSError:
-                pass
-        return total
-
-    def run(self) -> None:
-        while not self.stop_ev.wait(0.5):
-            for group in self.pids:
-                self.peak_rss[group] = max(self.peak_rss[group], sum(_rss(p) for p in group))
-
-
 class ControlBench:
     def __init__(self, config: ControlConfig, log: Any = print) -> None:
         self.c, self.log = config, log
         self.cluster = LocalCluster(nodes=0, masters=config.masters, root=config.root)
-        self.procs: list[_Proc] = []
-        self.watcher_procs: list[_Proc] = []
+        self.procs: list[SimProc] = []
+        self.watcher_procs: list[SimProc] = []
         self.events: list[tuple[float, str, str]] = []  # (wall time, node, "down" | "suspect")
         self._observer: Any = None
         self._status_clients: dict[str, MasterClient] = {}
@@ -186,11 +117,10 @@ class ControlBench:
         for first in range(0, c.daemons, per):
             # with the cores, above the rest: each stands for hosts of their own, so the CPU the
             # simulation itself needs must not make them miss heartbeats
-            self.procs.append(_Proc(daemons_process, self.addresses, self.token, first, min(per, c.daemons - first),
+            self.procs.append(SimProc(daemons_process, self.addresses, self.token, first, min(per, c.daemons - first),
                                     c.daemons / c.daemons_per_s, max(-20, c.nice - CORE_AHEAD) if c.nice else 0))
         wait_for(lambda: sum(p.ask("registered") for p in self.procs) == c.daemons, 180, "daemons to register")
-        wait_for(lambda: self.mc.call("Status", {})["membership"]["transition"] is None, 120,
-                 "the daemons' handovers to finish")
+        wait_for(self._no_transition, 120, "the daemons' handovers to finish", every_s=1.0)
         self.log(f"  {c.daemons} daemons registered and heartbeating")
         from gcache.client.routing import MembershipWatcher
 
@@ -199,13 +129,22 @@ class ControlBench:
         for n in range(0, c.watchers, per):
             # below the simulated daemons: in a fleet they run on other hosts, and here a watcher
             # reconnect storm must not delay the heartbeats the failure detector judges
-            p = _Proc(watchers_process, self.addresses, self.token, min(per, c.watchers - n), c.ramp_per_s,
-                      c.nice + WATCHER_NICE if c.nice else 0)
+            p = SimProc(watchers_process, self.addresses, self.token, min(per, c.watchers - n), c.ramp_per_s,
+                        c.nice + WATCHER_NICE if c.nice else 0, c.standby)
             self.watcher_procs.append(p)
             self.procs.append(p)
         t0 = time.monotonic()
         wait_for(lambda: sum(p.ask("attached") for p in self.watcher_procs) == c.watchers, 600, "watchers to attach")
         self.log(f"  {c.watchers} watchers attached in {time.monotonic() - t0:.1f}s")
+        if c.standby:
+            time.sleep(STANDBY_AFTER_S[1])  # their standby connections are open before the steady phase
+
+    def _no_transition(self) -> bool:
+        """No handover is open (False too while no master answers: 500 registrations keep them busy)."""
+        try:
+            return self.mc.call("Status", {"brief": False}, timeout_s=5.0)["membership"]["transition"] is None
+        except GCacheError:
+            return False
 
     def _observe(self, m: Membership) -> None:
         now = time.time()
@@ -235,90 +174,34 @@ class ControlBench:
         self.cluster.stop()
 
     # -- steady phase ---------------------------------------------------------------------------
-    def _bootstraps(self, stop: threading.Event, out: list[float], ready: list[float]) -> None:
-        from gcache import Client
-
-        n = 0
-        while not stop.wait(self.c.bootstrap_every_s):
-            n += 1
-            t0 = time.perf_counter()
+    def front_stats(self) -> list[dict[str, Any]]:
+        """Each master front's loop lag and new watches' first-message times since the last call."""
+        out = []
+        for m in self.cluster.master_procs:
+            mc = self._status_clients.setdefault(m.address, MasterClient([m.address], self.token, timeout_s=2.0))
             try:
-                if n % 25 == 0:  # the whole client, ring included
-                    with Client(self.url, token=self.token):
-                        ready.append(time.perf_counter() - t0)
-                    continue
-                mc = MasterClient(self.url, self.token)
-                call = mc.watch(random.choice(self.addresses))
-                next(call)
-                out.append(time.perf_counter() - t0)
-                call.cancel()
-                mc.close()
-            except (GCacheError, Exception) as exc:  # noqa: BLE001 - a failed bootstrap is a figure too
-                out.append(float("inf"))
-                self.log(f"  bootstrap failed: {exc!r}"[:200])
-
-    def _churn(self, stop: threading.Event, changes: list[tuple[int, float]]) -> None:
-        """A node joins, is drained and leaves, over and over; each RPC that moves the epoch is
-        a measured change. The node heartbeats (from here) while it is a member."""
-        k = 0
-        while not stop.is_set():
-            node = f"churn{k}"
-            k += 1
-            t0 = time.time()
-            try:
-                out = self.mc.call("Register", {"node": node, "address": f"127.0.0.2:{k}", "capacity": 1 << 40},
-                                   timeout_s=5.0)
-            except GCacheError as exc:
-                self.log(f"  churn: {exc}"[:200])
-                self.churn_errors += 1
-                continue
-            changes.append((int(out["epoch"]), t0))
-            inc = int(out["inc"])
-            beat = threading.Event()
-
-            def heartbeat(node: str = node, inc: int = inc, beat: threading.Event = beat) -> None:
-                while not beat.wait(1.0) and not self.load_stopped.is_set():
-                    try:
-                        self.mc.call_all("Heartbeat", {"node": node, "inc": inc, "epoch": 0}, timeout_s=0.5)
-                    except GCacheError:
-                        pass
-
-            hb = threading.Thread(target=heartbeat, daemon=True)
-            hb.start()
-            try:
-                if stop.wait(self.c.change_every_s / 3):
-                    return
-                t0 = time.time()
-                changes.append((int(self.mc.call("Drain", {"node": node}, timeout_s=5.0)["epoch"]), t0))
-                if stop.wait(self.c.change_every_s / 3):
-                    return
-                t0 = time.time()
-                epoch = self.mc.call("Status", {})["membership"]["epoch"]
-                out = self.mc.call("HandoverDone", {"node": node, "epoch": epoch}, timeout_s=5.0)
-                changes.append((int(out["epoch"]), t0))
-                beat.set()  # it has left
-            except GCacheError as exc:
-                self.log(f"  churn: {exc}"[:200])
-                self.churn_errors += 1
-                beat.set()
-            stop.wait(self.c.change_every_s / 3)
+                out.append(mc.call("Status", {"front": True}, timeout_s=5.0).get("front", {}))
+            except GCacheError:
+                out.append({})
+        return out
 
     def steady(self) -> dict[str, Any]:
         c = self.c
         self.t_steady = time.time()
-        sampler = _MasterSampler(self._master_pids())
+        sampler = MasterSampler(self._master_pids(), [p.proc.pid for p in self.procs if p.proc.pid is not None])
         sampler.start()
         for p in self.procs:
             if p not in self.watcher_procs:
                 p.ask("stats")  # start the heartbeat window now
+        self.front_stats()  # start the fronts' windows now
         cpu0 = {group: sampler.cpu_s(group) for group in sampler.pids}
         t_start = time.monotonic()
         stop = threading.Event()
-        boots: list[float] = []
-        ready: list[float] = []
+        boots = Bootstraps()
         changes: list[tuple[int, float]] = []
-        threads = [threading.Thread(target=self._bootstraps, args=(stop, boots, ready), daemon=True),
-                   threading.Thread(target=self._churn, args=(stop, changes), daemon=True)]
+        threads = [threading.Thread(target=bootstraps, args=(self, stop, boots), daemon=True),
+                   threading.Thread(target=driver_lag, args=(stop, boots), daemon=True),
+                   threading.Thread(target=churn, args=(self, stop, changes), daemon=True)]
         for t in threads:
             t.start()
         time.sleep(c.seconds)
@@ -328,6 +211,7 @@ class ControlBench:
         elapsed = time.monotonic() - t_start
         time.sleep(2.0)  # let the last change reach everyone
         sampler.stop_ev.set()
+        fronts = self.front_stats()
         cpu = [round(100 * (sampler.cpu_s(group) - cpu0[group]) / elapsed, 1) for group in sampler.pids]
         beats = [p.ask("stats") for p in self.procs if p not in self.watcher_procs]
         lat = [x for b in beats for x in b["latencies"]]
@@ -338,7 +222,10 @@ class ControlBench:
             p.ask("trim", time.time())
         flat = [x for lats in per_change for x in lats]
         return {
-            "bootstrap_ms": pct(boots), "client_ready_ms": pct(ready),
+            "bootstrap_ms": pct(boots.total), "client_ready_ms": pct(boots.ready),
+            "bootstrap_connect_ms": pct(boots.connect), "bootstrap_first_message_ms": pct(boots.first),
+            "slow_bootstraps": slow_bootstraps(boots, changes), "driver_lag_ms": pct(boots.driver_lag),
+            "fronts": fronts,
             "propagation_ms": pct(flat), "changes": len(changes),
             "all_notified_ms": pct([max(lats) for lats in per_change if lats]),
             "unnotified": sum(1 for x in flat if x == float("inf")),
@@ -346,6 +233,7 @@ class ControlBench:
             "heartbeat_over_grpc": sum(b["fallbacks"] for b in beats),
             "reregistered": sum(b["reregistered"] for b in beats),
             "master_cpu_pct": cpu, "master_rss_mb": [round(v / 2**20) for v in sampler.peak_rss.values()],
+            "sim_rss_mb": [round(v / 2**20) for v in sampler.sim_peak_rss.values()],
             "steady_s": round(elapsed, 1), "churn_errors": self.churn_errors,
         }
 
@@ -408,8 +296,9 @@ class ControlBench:
         elected_s = (st.get("leader_since") or t_kill) - t_kill  # by the new leader's own account
         wait_for(lambda: sum(p.ask("reattach", (dead, t_kill))["pending"] for p in self.watcher_procs) == 0, 60,
                  "every watcher to re-attach", every_s=0.05)
-        moved = [p.ask("reattach", (dead, t_kill)) for p in self.watcher_procs]
+        moved = [p.ask("reattach", (dead, t_kill, True)) for p in self.watcher_procs]
         reattach_s = max(m["last_s"] for m in moved)
+        each = pct([t for m in moved for t in m["times"]], scale=1.0)
         self.cluster.restart(leader, master=True)
         self._renice()
         wait_for(lambda: (self._status(dead) or {}).get("leader"), 60, "the restarted master to rejoin")
@@ -422,7 +311,7 @@ class ControlBench:
                  "the watchers to settle after rebalancing")
         time.sleep(1.0)
         return {"leader_s": round(leader_s, 3), "elected_s": round(elected_s, 3), "reattach_s": round(reattach_s, 3),
-                "moved": sum(m["moved"] for m in moved)}
+                "reattach_each_s": each, "moved": sum(m["moved"] for m in moved)}
 
 
     def masters_agree(self) -> bool:
@@ -443,27 +332,6 @@ class ControlBench:
             return True
         except BenchError:
             return False
-
-
-MIN_AVAILABLE_MB = 2048  # the bench stops itself below this much available memory (a shared machine)
-
-
-def mem_available_mb() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) >> 10
-    return 1 << 30
-
-
-def memory_watchdog(stop: threading.Event, log: Any) -> None:
-    """SIGTERM this process (the command's handler unwinds through run()'s cleanup) when the machine runs
-    low on memory: the simulated clients' memory has run away under overload (several GB each)."""
-    while not stop.wait(1.0):
-        if mem_available_mb() < MIN_AVAILABLE_MB:
-            log(f"  stopping: under {MIN_AVAILABLE_MB} MB of memory available")
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
 
 
 def run(config: ControlConfig, log: Any = print) -> dict[str, Any]:

@@ -8,7 +8,8 @@ event loops in a few processes, speaking the real control protocol to real maste
 * A simulated client is one WatchMembership stream on a connection of its own, attached to a
   random master and re-attached to the next one after a jittered backoff when the stream
   breaks (like gcache.client.routing.MembershipWatcher: after a stream that worked, within
-  uniform(0, 1 s)). It reads only the epoch of each message (a real client also applies deltas
+  uniform(0, 1 s), over the standby connection it opened a few seconds after attaching). It
+  reads only the epoch of each message (a real client also applies deltas
   and builds a ring, which costs the client, not the master).
 
 Each process runs one asyncio loop and answers the driver's commands over a pipe.
@@ -26,7 +27,7 @@ from typing import Any
 import grpc
 import msgpack
 
-from gcache.client.routing import REATTACH_SPREAD_S
+from gcache.client.routing import REATTACH_SPREAD_S, STANDBY_AFTER_S
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient, beat_key, seal, unseal
 from gcache.meta.master_client import Backoff
@@ -37,7 +38,8 @@ CAPACITY = (64 + 1024) << 30  # 64 GiB RAM + 1 TiB NVMe: the capacity that made 
 
 def epoch_of(raw: bytes) -> int:
     """The epoch of an encoded membership without decoding its node list (it is the first key)."""
-    u = msgpack.Unpacker(raw=False)
+    # a buffer of the message's size: by default an Unpacker allocates 1 MiB, per message
+    u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 16))
     u.feed(raw)
     u.read_map_header()
     if u.unpack() != "epoch":
@@ -45,9 +47,22 @@ def epoch_of(raw: bytes) -> int:
     return int(u.unpack())
 
 
+# What one connection may hold of messages its stream has not read yet. By default grpc's
+# bandwidth probe widens a busy connection's receive window to megabytes: when epochs moved in
+# bursts (whole memberships, 45 KB each, to every watcher) faster than this process's one loop
+# read its thousands of streams, the unread bytes piled up in grpc, 0.3 -> 2-4 GB per process.
+SIM_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0),
+                       ("grpc.http2.lookahead_bytes", 16384)]
+
+
 def _channel(address: str) -> grpc.aio.Channel:
     # a connection of its own, as a separate client process would have
-    return grpc.aio.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    return grpc.aio.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS, *SIM_CHANNEL_OPTIONS])
+
+
+def _own_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) * 1024
 
 
 async def _serve_pipe(conn: Any, handle: Any) -> None:
@@ -186,14 +201,15 @@ def daemons_process(conn: Any, masters: list[str], token: str, first: int, count
 
 # -- clients (watchers) ------------------------------------------------------------------------
 class Watchers:
-    def __init__(self, masters: list[str], token: str, count: int) -> None:
-        self.masters, self.md, self.count = masters, ((rpc.TOKEN_HEADER, token),), count
+    def __init__(self, masters: list[str], token: str, count: int, standby: bool = True) -> None:
+        self.masters, self.md, self.count, self.standby = masters, ((rpc.TOKEN_HEADER, token),), count, standby
         self.attached: list[str | None] = [None] * count  # master each watcher is attached to
         self.attached_at = [0.0] * count  # wall time of its last attach
         self.first_at = [0.0] * count  # wall time of its first membership
         self.seen_t: list[list[float]] = [[] for _ in range(count)]  # wall time of each membership...
         self.seen_e: list[list[int]] = [[] for _ in range(count)]  # ...and its epoch
         self.attaches = 0
+        self.messages = self.bytes = 0
         self.calls: list[Any] = [None] * count
         self.move_to: list[str | None] = [None] * count  # rebalance: the master to attach to next
 
@@ -203,12 +219,20 @@ class Watchers:
         if call is not None:
             call.cancel()
 
+    @staticmethod
+    def _prepare(chans: dict[str, grpc.aio.Channel], standby: str) -> None:
+        if standby not in chans:  # MasterClient.prepare: connect now, no call
+            chans[standby] = _channel(standby)
+            chans[standby].get_state(try_to_connect=True)
+
     async def run_one(self, i: int) -> None:
         order = random.sample(self.masters, len(self.masters))
-        # a connection to the master it watches, closed when the stream ends: 10,000 simulated
-        # clients holding idle connections to every master they had used took ~14 GB here
+        # the connection to the master it watches, and (like MembershipWatcher) a standby one to
+        # the master it would re-attach to, opened STANDBY_AFTER_S after attaching; others closed
         chans: dict[str, grpc.aio.Channel] = {}
         backoff = Backoff()
+        loop = asyncio.get_running_loop()
+        standby_timer: asyncio.TimerHandle | None = None
         k = 0
         while True:
             address = order[k % len(order)]
@@ -216,6 +240,9 @@ class Watchers:
             moved_to = self.move_to[i]
             if moved_to is not None:
                 address, self.move_to[i] = moved_to, None
+            standby = order[k % len(order)]
+            for a in [a for a in chans if a not in (address, standby)]:
+                await chans.pop(a).close()
             ch = chans.get(address)
             if ch is None:
                 ch = chans[address] = _channel(address)
@@ -230,6 +257,13 @@ class Watchers:
                         self.first_at[i] = self.first_at[i] or now
                         self.attaches += 1
                         backoff.reset()
+                        if self.standby and standby != address:
+                            if standby_timer is not None:
+                                standby_timer.cancel()
+                            standby_timer = loop.call_later(random.uniform(*STANDBY_AFTER_S), self._prepare, chans,
+                                                            standby)
+                    self.messages += 1
+                    self.bytes += len(raw)
                     self.seen_t[i].append(now)
                     self.seen_e[i].append(epoch_of(raw))
             except grpc.aio.AioRpcError:
@@ -247,6 +281,13 @@ class Watchers:
     def handle(self, cmd: str, arg: Any) -> Any:
         if cmd == "attached":
             return sum(a is not None for a in self.attached)
+        if cmd == "malloc_trim":  # give freed heap back to the system; the RSS before and after (bytes)
+            import ctypes
+            before = _own_rss()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            return before, _own_rss()
+        if cmd == "counters":  # since the start: streams that delivered a membership, messages, bytes
+            return {"attaches": self.attaches, "messages": self.messages, "bytes": self.bytes}
         if cmd == "spread":  # how many watchers each master holds
             out: dict[str, int] = {}
             for a in self.attached:
@@ -260,11 +301,13 @@ class Watchers:
                 if self.attached[i] != to and random.random() < 1 / len(self.masters):
                     loop.call_later(random.uniform(0, seconds), self._move, i, to)
             return None
-        if cmd == "reattach":  # arg: (dead master, kill time)
-            dead, t_kill = arg
+        if cmd == "reattach":  # arg: (dead master, kill time[, True: each re-attach's time too])
+            dead, t_kill, *times = arg
             pending = sum(a is None or a == dead for a in self.attached)
+            if not times:
+                return {"pending": pending}
             moved = [t - t_kill for t in self.attached_at if t > t_kill]
-            return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0)}
+            return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0), "times": moved}
         if cmd == "propagation":  # arg: [(epoch, t0)]: seconds until each watcher saw that epoch or later
             lats: list[list[float]] = []
             for epoch, t0 in arg:
@@ -290,8 +333,9 @@ class Watchers:
         raise ValueError(cmd)
 
 
-async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float) -> None:
-    w = Watchers(masters, token, count)
+async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float,
+                         standby: bool) -> None:
+    w = Watchers(masters, token, count, standby)
     tasks = []
     for i in range(count):
         tasks.append(asyncio.create_task(w.run_one(i)))
@@ -303,7 +347,7 @@ async def _watchers_main(conn: Any, masters: list[str], token: str, count: int, 
 
 
 def watchers_process(conn: Any, masters: list[str], token: str, count: int, ramp_per_s: float,
-                     nice: int = 0) -> None:
+                     nice: int = 0, standby: bool = True) -> None:
     if nice:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
-    asyncio.run(_watchers_main(conn, masters, token, count, ramp_per_s))
+    asyncio.run(_watchers_main(conn, masters, token, count, ramp_per_s, standby))

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 # every client of that master is re-attaching at the same moment, and a spread-out arrival is
 # served at once where a burst queues. The client keeps routing by what it holds meanwhile.
 REATTACH_SPREAD_S = 1.0
+# Once attached, the connection to the master tried next is opened this many seconds later
+# (uniform), and kept open for the re-attach (MembershipWatcher._attempt).
+STANDBY_AFTER_S = (2.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ class MembershipWatcher:
 
     The stream's first message is the whole membership, so a client is usable after one round
     trip (``wait_first``). Masters are tried in a random order; after a stream breaks (its
-    master died) or an attempt fails, the next master is tried after a jittered, growing pause.
+    master died) or an attempt fails, the next master is tried after a jittered, growing pause,
+    over a connection already open (see ``_attempt``).
     An attempt that brings no membership within ``attempt_timeout_s`` (a master that accepts
     but does not answer) is abandoned for the next master."""
 
@@ -72,10 +76,12 @@ class MembershipWatcher:
         self.error: GCacheError | None = None  # why the last attempt failed (AuthFailed: a wrong token)
         self.attaches = 0  # streams that delivered a membership
         self.known = -1  # epoch of the last membership delivered
+        self.address = ""  # the master of the last stream that delivered one
         self._held: dict[str, Any] | None = None  # that membership as the master sent it (deltas apply to it)
         self._first = threading.Event()
         self._stop = threading.Event()
         self._call: Any = None
+        self._standby_timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="gcache-watch", daemon=True)
 
     def start(self) -> MembershipWatcher:
@@ -95,7 +101,8 @@ class MembershipWatcher:
         while not self._stop.is_set():
             address = order[i % len(order)]
             i += 1
-            if self._attempt(address):
+            standby = order[i % len(order)]
+            if self._attempt(address, standby if standby != address else None):
                 backoff.reset()
                 wait = random.uniform(0, REATTACH_SPREAD_S)
             else:
@@ -103,8 +110,12 @@ class MembershipWatcher:
             if self._stop.wait(wait):
                 return
 
-    def _attempt(self, address: str) -> bool:
-        """One stream, until it breaks; True if it delivered at least one membership."""
+    def _attempt(self, address: str, standby: str | None = None) -> bool:
+        """One stream, until it breaks; True if it delivered at least one membership. Once it
+        has, the connection to ``standby`` (the master tried next) is set up (a few seconds
+        later: STANDBY_AFTER_S) and kept open, so
+        that re-attaching there after this master fails is one new stream, not a new connection
+        (about half the CPU, at both ends, of a re-attach storm)."""
         got = False
         try:
             call = self.masters.watch(address, self.known)
@@ -136,6 +147,9 @@ class MembershipWatcher:
                 if not got:
                     got = True
                     self.attaches += 1
+                    self.address = address
+                    if standby is not None:
+                        self._prepare_later(standby)
                 self.error = None
                 self._first.set()
                 if self._stop.is_set():
@@ -156,6 +170,16 @@ class MembershipWatcher:
             timer.cancel()
         return got
 
+    def _prepare_later(self, standby: str) -> None:
+        """Open the standby connection a few seconds from now, at a random moment: the clients
+        that just re-attached together (their master failed) must not also connect together."""
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
+        timer = self._standby_timer = threading.Timer(random.uniform(*STANDBY_AFTER_S), self.masters.prepare,
+                                                      (standby,))
+        timer.daemon = True
+        timer.start()
+
     def refresh(self) -> Membership | None:
         """Fetch the membership now (None if no master answers)."""
         try:
@@ -166,6 +190,8 @@ class MembershipWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
         call = self._call
         if call is not None:
             call.cancel()

@@ -21,6 +21,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from gcache.errors import ConfigError
 from gcache.meta import rpc
 from gcache.meta.core import core_main
 from gcache.meta.feed import FanOut, MembershipFeed
+from gcache.meta.frontstats import FrontStats
 
 log = logging.getLogger("gcache.master")
 
@@ -81,6 +83,7 @@ class Master:
     def __init__(self, config: MasterConfig, name: str = "master", log_level: str = "INFO") -> None:
         self.config, self.name, self.log_level = config, name, log_level
         self.feed = MembershipFeed(config.fan_out)
+        self.stats = FrontStats()
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.core_pid = -1
@@ -129,6 +132,7 @@ class Master:
         loop.add_reader(self._conn.fileno(), self._on_link)
         await asyncio.wait_for(self.feed.at_least(0, timeout_s=30.0), 31.0)
         await self.server.start()
+        self.stats.start()
         return self
 
     def _first_message(self) -> tuple[Any, ...]:
@@ -193,6 +197,7 @@ class Master:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.stats.stop()
         if self.server is not None:
             await self.server.stop(grace=0.5)
         if self._conn is not None and not self.gone.is_set():
@@ -241,21 +246,30 @@ class Master:
         return self.feed.current.encoded
 
     async def watch_membership(self, req: dict[str, Any], context: Any) -> AsyncIterator[bytes]:
-        """The membership now, then at every epoch change: the delta from the previous epoch
-        (gcache.meta.delta) when the watcher holds it, else the whole membership. A watcher
-        re-attaching with the current epoch (``known``) first gets just ``{"epoch", "unchanged":
-        true}``: after a master fails, thousands re-attach at once. Liveness: HTTP/2 keepalive."""
+        """The membership now, then at every epoch change: the delta from the epoch the watcher
+        holds (gcache.meta.delta) when this master still has it, else the whole membership. A
+        watcher re-attaching with the current epoch (``known``) first gets just ``{"epoch",
+        "unchanged": true}``, and one a few epochs behind a delta: after a master fails, thousands
+        re-attach at once. Liveness: HTTP/2 keepalive."""
+        started = time.perf_counter()
         known = req.get("known", -1)
+        if not isinstance(known, int):
+            known = -1
         self.feed.watchers += 1
         try:
             snap = self.feed.current
-            if isinstance(known, int) and known == snap.epoch and snap.unchanged:
+            if known == snap.epoch and snap.unchanged:
                 yield snap.unchanged
+                self.stats.first_written(started)
             else:
-                known = -1
+                snap = await self.feed.next_after(known)
+                out = self.feed.payload(snap, known)
+                known = snap.epoch
+                yield out
+                self.stats.first_written(started)
             while True:
                 snap = await self.feed.next_after(known)
-                out = snap.delta if known == snap.base and snap.delta else snap.encoded
+                out = self.feed.payload(snap, known)
                 known = snap.epoch
                 yield out
         finally:
@@ -272,15 +286,19 @@ class Master:
 
     async def status(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         """This master's Raft view, the membership and heartbeat ages; with ``brief`` only the
-        first (no per-node rows: cheap enough to poll during a failover)."""
-        brief = bool(req.get("brief"))
+        first (no per-node rows: cheap enough to poll during a failover); with ``front`` also this
+        front's loop lag and new watches' first-message times since the last such call."""
+        brief = bool(req.get("brief")) or bool(req.get("front"))
         try:
             _ok, core = await self._ask("health" if brief else "status", timeout_s=5.0)
         except (CoreGone, TimeoutError):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this master's core does not answer")
         if brief:
-            return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
-                               "epoch": core["epoch"], "core_pid": self.core_pid}}
+            out = {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
+                              "epoch": core["epoch"], "core_pid": self.core_pid}}
+            if req.get("front"):
+                out["front"] = self.stats.take()
+            return out
         return {"master": {"grpc": self.address, **core["raft"], "watchers": self.feed.watchers,
                            "epochs_published": self.feed.published, "udp_heartbeats": core["udp_heartbeats"],
                            "core_pid": self.core_pid},

@@ -63,6 +63,7 @@ class MasterClient:
         self._preferred = random.randrange(len(self.addresses))
         self._lock = threading.Lock()
         self._beats = BeatClient(self.addresses, token) if token else None
+        self._ready: dict[str, Any] = {}  # address -> grpc.channel_ready_future (prepare)
 
     def _md(self) -> tuple[tuple[str, str], ...]:
         return ((rpc.TOKEN_HEADER, self.token),) if self.token else ()
@@ -131,6 +132,24 @@ class MasterClient:
         already) the first message may be ``{"epoch": known, "unchanged": True}``."""
         return self._method(address, "WatchMembership", streaming=True)({"known": known}, metadata=self._md())
 
+    def connect(self, address: str, timeout_s: float) -> None:
+        """Wait until this client's connection to ``address`` is set up (grpc.FutureTimeoutError
+        after ``timeout_s``)."""
+        grpc.channel_ready_future(self._channels[address]).result(timeout=timeout_s)
+
+    def prepare(self, address: str) -> None:
+        """Start setting up the connection to ``address`` without a call and without waiting, so
+        that a later call there (a watch re-attaching after its master failed) skips the TCP and
+        HTTP/2 set-up. Kept open by keepalive pings."""
+        old = self._ready.get(address)
+        if old is None or old.done():
+            self._ready[address] = grpc.channel_ready_future(self._channels[address])
+
+    def prepared(self, address: str) -> bool:
+        """The connection ``prepare`` started to ``address`` was set up."""
+        fut = self._ready.get(address)
+        return fut is not None and fut.done() and not fut.cancelled()
+
     def shuffled(self) -> list[str]:
         """The masters in a random order (each watcher starts somewhere else)."""
         return random.sample(self.addresses, len(self.addresses))
@@ -139,5 +158,7 @@ class MasterClient:
         return self.call("GetMembership", {})
 
     def close(self) -> None:
+        for fut in self._ready.values():
+            fut.cancel()
         for ch in self._channels.values():
             ch.close()

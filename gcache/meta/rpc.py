@@ -29,7 +29,10 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive
                    ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000),
                    # a watch on a master that stopped answering (SIGSTOP, a dead host) fails within ~12 s
                    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 2_000),
-                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                   # a watcher's standby connection (MasterClient.prepare) carries no call until its
+                   # master fails: grpc would close it after 30 idle minutes
+                   ("grpc.client_idle_timeout_ms", 7 * 24 * 3600 * 1000)]
 SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MSG), ("grpc.max_receive_message_length", MAX_MSG),
                   # grpc cancels calls that arrive while more than 1,000 wait for the server to take
                   # them: a burst of reconnecting watchers (a master failed) is far more than that
