@@ -148,7 +148,7 @@ def test_a_watcher_re_attaches_over_its_standby_connection_when_its_master_dies(
     c.start()
     mc = MasterClient(c.master_url, c.token, timeout_s=2.0)
     seen: list[int] = []
-    w = MembershipWatcher(MasterClient(c.master_url, c.token), lambda m: seen.append(m.epoch))
+    w = MembershipWatcher(MasterClient(c.master_url, c.token), lambda m: seen.append(m.epoch), standby=True)
     try:
         mc.call("Register", {"node": "n0", "address": "127.0.0.1:1", "capacity": 1 << 30}, timeout_s=5.0)
         w.start()

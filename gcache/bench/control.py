@@ -61,7 +61,7 @@ class ControlConfig:
     ramp_per_s: float = 250.0  # watchers started per second per process
     daemons_per_s: float = 50.0  # daemons registering per second at start-up
     nice: int = 0  # e.g. -10: every process of the bench ahead of the rest of a shared machine
-    standby: bool = True  # simulated clients keep a standby connection, as MembershipWatcher does
+    standby: bool = False  # simulated clients keep a standby connection (MembershipWatcher(standby=True))
     root: str | None = None
 
     def __post_init__(self) -> None:

@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every process of the bench (masters, simulated daemons and clients, the driver) at "
                         "this priority (e.g. -10, as root), so that a shared machine's other load does not "
                         "starve Raft's 150-300 ms timers and the heartbeats (default: leave them)")
-    p.add_argument("--no-standby", action="store_true",
-                   help="simulated clients without the standby connection a real client keeps (for comparison)")
+    p.add_argument("--standby", action="store_true",
+                   help="simulated clients keep a standby connection to the master they would re-attach to "
+                        "(MembershipWatcher(standby=True); off by default, as in the client)")
     p.add_argument("--dir", default=None, help="keep the masters' logs here (default: a temporary directory)")
     p.add_argument("--quick", action="store_true", help="200 watchers, 50 daemons, 5 s, 1 failover (a smoke run)")
     p.add_argument("--out", default="bench/results", metavar="DIR",
@@ -82,7 +83,7 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"control plane: {w:,} watchers, {base['daemons']:,} daemons, {args.masters} masters", flush=True)
             root = os.path.join(args.dir, f"w{w}") if args.dir else None
             records.append(run(ControlConfig(watchers=w, masters=args.masters, root=root,
-                                             nice=args.nice, standby=not args.no_standby, **base),
+                                             nice=args.nice, standby=args.standby, **base),
                                log=lambda m: print(m, flush=True)))
     except BenchError as exc:
         print(f"gcache bench control-plane: {exc}", file=sys.stderr)

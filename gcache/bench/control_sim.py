@@ -8,7 +8,7 @@ event loops in a few processes, speaking the real control protocol to real maste
 * A simulated client is one WatchMembership stream on a connection of its own, attached to a
   random master and re-attached to the next one after a jittered backoff when the stream
   breaks (like gcache.client.routing.MembershipWatcher: after a stream that worked, within
-  uniform(0, 1 s), over the standby connection it opened a few seconds after attaching). It
+  uniform(0, 1 s); with --standby, over a connection it opened a few seconds after attaching). It
   reads only the epoch of each message (a real client also applies deltas
   and builds a ring, which costs the client, not the master).
 
