@@ -11,7 +11,10 @@ the rules are in gcache.server.local).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
     from gcache.client.pool import Pool
 
 LEASE_MARGIN_S = 0.05  # a local read finished this long before its lease deadline is valid
+PARALLEL_COPY_BYTES = 4 << 20  # a batch's copies this large are split over two threads
+CPUS = os.cpu_count() or 1
 
 
 def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection, deadline: float) -> None:
@@ -39,6 +44,7 @@ def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection
         raise ProtocolError(f"{conn.node}: LGET reply without one size and offset per key")
     status, sizes = op.status, op.sizes_out
     copied = []
+    pairs: list[tuple[memoryview, memoryview]] = []  # (dest, src) copies out of the arena
     for i, st, sz, off in zip(idxs, sts, szs, offs):
         if st is not Status.OK:
             status[i] = st
@@ -52,10 +58,10 @@ def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection
         if off < 0:  # sent inline (not in the arena)
             recv_parts(conn, dest, sz, deadline)
         else:
-            for d, src in copy_pairs(arena[off:off + sz], dest):
-                memcpy(d, src)
+            pairs += copy_pairs(arena[off:off + sz], dest)
             copied.append(i)
         status[i], sizes[i] = Status.OK, sz
+    copy_all(pairs)
     op.take_meta(idxs, reply)
     if reply.get("ls"):
         dl = reply.get("dl")
@@ -73,14 +79,71 @@ def commit_put(op: PutOp, idxs: list[int], reply: dict[str, Any], conn: Connecti
     """Finish an LALLOC: copy the values into their reserved slots, then LCOMMIT them."""
     arena = pool.writable_arena(conn, deadline)
     reserved = statuses(reply, len(idxs), conn.node)
+    pairs = []
     for i, st, off in zip(idxs, reserved, reply.get("off") or []):
         if st is Status.OK:
             for part in op.views[i]:
-                memcpy(arena[off:off + len(part)], part)
+                pairs.append((arena[off:off + len(part)], part))
                 off += len(part)
+    copy_all(pairs)
     done = statuses(conn.call(Op.LCOMMIT, {"ls": reply["ls"]}, deadline), len(idxs), conn.node)
     for i, st0, st in zip(idxs, reserved, done):
         op.status[i] = st if st0 is Status.OK else st0
+
+
+def copy_all(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    """Do every (dest, src) copy; a batch of at least PARALLEL_COPY_BYTES is split in two
+    halves by bytes, one copied by a helper thread while this one copies the other (numpy copies
+    without the GIL, and one core does not saturate the memory bus)."""
+    total = sum(len(d) for d, _s in pairs)
+    if total < PARALLEL_COPY_BYTES or CPUS < 2:
+        for d, src in pairs:
+            memcpy(d, src)
+        return
+    first, second = halves(pairs, total // 2)
+    done = _helper().submit(_copy_each, second)
+    try:
+        _copy_each(first)
+    finally:
+        done.result()
+
+
+Copies = list[tuple[memoryview, memoryview]]  # (dest, src) pairs
+
+
+def halves(pairs: Copies, cut: int) -> tuple[Copies, Copies]:
+    """``pairs`` as two lists of copies, the first moving exactly ``cut`` bytes (a copy that
+    straddles the cut is split in two)."""
+    first: Copies = []
+    acc = 0
+    for j, (d, src) in enumerate(pairs):
+        if acc + len(d) <= cut:
+            first.append((d, src))
+            acc += len(d)
+            continue
+        k = cut - acc
+        if k:
+            first.append((d[:k], src[:k]))
+        return first, [(d[k:], src[k:]), *pairs[j + 1:]]
+    return first, []
+
+
+def _copy_each(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    for d, src in pairs:
+        memcpy(d, src)
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor:
+    """The copy helper thread of this process (a new one after a fork: threads do not survive it)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="gcache-copy"))
+        return _pool[1]
 
 
 def memcpy(dest: memoryview, src: memoryview) -> None:
