@@ -274,7 +274,8 @@ def _csv(s: str) -> tuple[str, ...]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from gcache.bench.records import write_json
+    from gcache.bench.driver import cluster_for
+    from gcache.bench.records import write_report
 
     try:
         cfg = AdapterBenchConfig(pages=args.pages, page_bytes=parse_size(args.page_bytes), seconds=args.seconds,
@@ -282,29 +283,13 @@ def run_cli(args: argparse.Namespace) -> int:
         geometry(cfg.page_bytes)
     except ValueError as exc:
         raise SystemExit(f"gcache bench adapter: {exc}") from None
-    cluster = None
-    if ":" in args.nodes:
-        addresses = [a for a in args.nodes.split(",") if a]
-    else:
-        from gcache.cluster import LocalCluster
-
-        # the adapter's pages and the raw client's, with room to spare, over all the daemons
-        per_node = max(64 << 20, 4 * cfg.pages * cfg.page_bytes // max(1, int(args.nodes)))
-        max_value = max(64 << 20, cfg.page_bytes)
-        cluster = LocalCluster(nodes=int(args.nodes), mem=f"{per_node >> 20}MiB",
-                               extra_args=["--max-value", f"{max_value >> 20}MiB"]).start()
-        addresses = cluster.addresses
-    try:
+    # the adapter's pages and the raw client's, with room to spare, over all the daemons
+    nodes = 1 if ":" in args.nodes else max(1, int(args.nodes))
+    per_node = max(64 << 20, 4 * cfg.pages * cfg.page_bytes // nodes)
+    max_value = max(64 << 20, cfg.page_bytes)
+    with cluster_for(args.nodes, per_node, ["--max-value", f"{max_value >> 20}MiB"]) as addresses:
         records = measure(addresses, cfg, progress=not args.no_progress)
-    finally:
-        if cluster is not None:
-            cluster.stop()
     json_path = args.json or os.path.join(args.out, "adapter.json")
-    write_json(json_path, "adapter", [asdict(r) for r in records], config=asdict(cfg), nodes=args.nodes,
-               load_avg=os.getloadavg())
-    md = os.path.splitext(json_path)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(format_markdown(records))
-    print(format_markdown(records))
-    print(f"wrote {json_path}, {md}")
+    write_report(json_path, "adapter", [asdict(r) for r in records], format_markdown(records),
+                 config=asdict(cfg), nodes=args.nodes, load_avg=os.getloadavg())
     return 0

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 Step = Callable[[int], bool]
@@ -76,3 +77,19 @@ def drive(steps: list[Step], seconds: float, what: str = "batch") -> Timing:
         raise errors[0]
     flat = [x for lat in lats for x in lat]
     return Timing(elapsed, len(flat), flat)
+
+
+@contextmanager
+def cluster_for(nodes: str, mem_bytes: int, extra_args: Sequence[str] = ()) -> Iterator[list[str]]:
+    """The daemons a bench runs against: ``nodes`` is HOST:PORT,... of a running cluster, or a
+    count of local daemons with ``mem_bytes`` of RAM each, started here and stopped afterwards."""
+    if ":" in nodes:
+        yield [a for a in nodes.split(",") if a]
+        return
+    from gcache.cluster import LocalCluster
+
+    cluster = LocalCluster(nodes=int(nodes), mem=f"{mem_bytes >> 20}MiB", extra_args=list(extra_args)).start()
+    try:
+        yield cluster.addresses
+    finally:
+        cluster.stop()

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from gcache.bench.records import write_json
+from gcache.bench.driver import cluster_for
+from gcache.bench.records import write_report
 from gcache.sizes import format_size
 
 PAGE_BYTES = 256 << 10  # the controller's TARGET_PAGE_BYTES
@@ -217,26 +218,11 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"gcache bench embedding: {exc}") from None
     value = max(cfg.tokens) * cfg.hidden * 2
     biggest = value * cfg.batch
-    cluster = None
-    if ":" in args.nodes:
-        addresses = [a for a in args.nodes.split(",") if a]
-    else:
-        from gcache.cluster import LocalCluster
-
-        mem = max(64 << 20, 4 * biggest)  # the store's and the raw client's batch, twice over
-        cluster = LocalCluster(nodes=int(args.nodes), mem=f"{mem >> 20}MiB",
-                               extra_args=["--pool-budget", "emb=90%", "--max-value", f"{max(64, (value >> 20) + 1)}MiB"]).start()
-        addresses = cluster.addresses
-    try:
+    mem = max(64 << 20, 4 * biggest)  # the store's and the raw client's batch, twice over
+    extra = ["--pool-budget", "emb=90%", "--max-value", f"{max(64, (value >> 20) + 1)}MiB"]
+    with cluster_for(args.nodes, mem, extra) as addresses:
         records = measure(addresses, cfg, progress=not args.no_progress)
-    finally:
-        if cluster is not None:
-            cluster.stop()
     json_path = args.json or os.path.join(args.out, "embedding.json")
-    write_json(json_path, "embedding", [asdict(r) for r in records], config=asdict(cfg), nodes=args.nodes)
-    md = os.path.splitext(json_path)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(format_markdown(records))
-    print(format_markdown(records))
-    print(f"wrote {json_path}, {md}")
+    write_report(json_path, "embedding", [asdict(r) for r in records], format_markdown(records),
+                 config=asdict(cfg), nodes=args.nodes)
     return 0

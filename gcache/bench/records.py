@@ -132,6 +132,18 @@ def write_json(path: str, kind: str, records: list[dict[str, Any]], **extra: Any
     os.replace(tmp, path)
 
 
+def write_report(path: str, kind: str, records: list[dict[str, Any]], markdown: str, **extra: Any) -> str:
+    """write_json() plus the markdown table beside it (same name, .md), printed too; returns
+    the markdown's path."""
+    write_json(path, kind, records, **extra)
+    md = os.path.splitext(path)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(markdown)
+    print(markdown)
+    print(f"wrote {path}, {md}")
+    return md
+
+
 def validate(doc: dict[str, Any]) -> list[str]:
     """Problems with a result document (empty when it is well formed): the schema check the
     tests and anyone consuming the JSON can share."""

@@ -65,3 +65,20 @@ def test_written_documents_validate(tmp_path):
         {"capacity_bytes": 1, "disk_bytes": 0, "nodes": 1, "page_bytes": 8, "requests": 1, "hit_rate": 0.5,
          "trace_max_hit_rate": 0.4, "ratio_to_max": 1.25, "series": []}]}
     assert any("outside" in x for x in validate(bad))
+
+
+def test_write_report_writes_the_json_and_the_table_beside_it(tmp_path, capsys):
+    from gcache.bench.records import write_report
+
+    md = write_report(str(tmp_path / "x" / "run.json"), "adapter", [{"a": 1}], "| a |\n|---|\n| 1 |\n", nodes="2")
+    doc = json.loads((tmp_path / "x" / "run.json").read_text())
+    assert doc["kind"] == "adapter" and doc["records"] == [{"a": 1}] and doc["nodes"] == "2"
+    assert md.endswith("run.md") and (tmp_path / "x" / "run.md").read_text().startswith("| a |")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cluster_for_a_running_cluster_starts_nothing():
+    from gcache.bench.driver import cluster_for
+
+    with cluster_for("127.0.0.1:1,127.0.0.1:2", 1 << 30) as addresses:
+        assert addresses == ["127.0.0.1:1", "127.0.0.1:2"]
