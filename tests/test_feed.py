@@ -55,6 +55,6 @@ def test_a_watcher_epochs_behind_gets_a_delta_from_what_it_holds():
         # the delta from the epoch just before, and a bounded number from earlier ones
         assert sum(raw != many.current.encoded for raw in late) == 1 + OLDER_PER_EPOCH
         assert feed.payload(snap, snap.epoch + 5) == snap.encoded  # ahead of this master
-        await asyncio.sleep(0)  # let the fan-out tasks finish
+        await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}))  # the fan-out tasks
 
     asyncio.run(main())

@@ -24,6 +24,17 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+def settled_peak_rss(pid: int, timeout_s: float = 10.0) -> int:
+    """The peak RSS once it has stopped moving (three equal readings 0.1 s apart), polled with a
+    deadline; the last reading if it never settles."""
+    readings = [peak_rss(pid)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (len(readings) < 3 or len(set(readings[-3:])) > 1):
+        time.sleep(0.1)
+        readings.append(peak_rss(pid))
+    return readings[-1]
+
+
 def stream(address: str, head: bytes, total: int) -> int:
     """Send ``head`` then zeros up to ``total`` bytes; returns how many were accepted before the
     other side closed the connection."""
@@ -76,11 +87,9 @@ def still_serves(c: LocalCluster) -> bool:
 @pytest.mark.parametrize("head", [b"", struct.pack("i", 0x7FFFFFFF)], ids=["zeros", "huge-length"])
 def test_unauthenticated_stream_is_not_buffered(master, head):
     pid = core_pid(master)
-    time.sleep(0.5)  # let start-up allocations settle before taking the baseline
-    before = peak_rss(pid)
+    before = settled_peak_rss(pid)  # start-up allocations done
     stream(raft_address(master), head, 104 * MiB)
-    time.sleep(0.5)  # whatever it buffered, it has read by now
-    grew = peak_rss(pid) - before
+    grew = settled_peak_rss(pid) - before  # whatever it buffered, it has read by then
     assert grew < 16 * MiB, f"peak RSS grew by {grew / MiB:.0f} MiB"
     assert still_serves(master)
 

@@ -103,12 +103,15 @@ def test_subscriber_replays_history_follows_live_batches_and_sees_a_restart():
             try:
                 await poll(lambda: idx.match("w", h) == 4, what="history replayed")
                 assert sub.live
-                await asyncio.sleep(0.2)  # PUB/SUB: let the subscription reach the publisher
                 kv_batch = kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
                     block_hashes=[20_000, 20_001], parent_block_hash=eng.hashes[tuple(ids[:16])][-1],
                     token_ids=ids[16:24], block_size=P, lora_id=None, medium="GPU")])
-                pub.publish(kv_batch)
-                await poll(lambda: idx.match("w", h) == 6, what="live batch applied")
+
+                async def live_applied():  # PUB/SUB drops what is sent before the subscription lands
+                    pub.publish(kv_batch)
+                    await asyncio.sleep(0.05)
+                    return idx.match("w", h) == 6
+                await poll(live_applied, what="live batch applied")
                 eng.remove(ids[:16], last=1)  # evicting page 4 breaks the prefix there
                 await poll(lambda: idx.match("w", h) == 3, what="removal applied")
             finally:
