@@ -15,6 +15,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from gcache.bench.driver import BenchError, Step, drive
 from gcache.bench.records import Record, from_latencies
@@ -85,32 +87,8 @@ class RedisPeer(Target):
         return self._clients[t]
 
     def measure(self, op: str, size: int, batch: int, threads: int, seconds: float) -> Record:
-        bufs = Buffers(size, batch, threads)
-        n = keys_per_thread(self.mem_budget, size, batch, threads)
-        keys = [[[f"b/{t}/{size}/{i}/{j}" for j in range(batch)] for i in range(n)] for t in range(threads)]
-        src = [[v.data for v in bufs.views(s)] for s in bufs.src]
-        if op != "put":
-            for t in range(threads):
-                for ks in keys[t]:
-                    self._set(self._client(t), ks, src[t])
-            got = self._client(0).mget(keys[0][0])
-            if any(g is None for g in got) or b"".join(got) != bufs.src[0].tobytes():
-                raise BenchError("redis returned wrong or missing bytes")
-
-        def step_for(t: int) -> Step:
-            r, ks, s = self._client(t), keys[t], src[t]
-            if op == "put":
-                return lambda i: self._set(r, ks[i % n], s)
-            if op == "get":
-                return lambda i: self._get(r, ks[i % n], size)
-            return lambda i: r.exists(*ks[i % n]) == batch
-
-        try:
-            timing = drive([step_for(t) for t in range(threads)], seconds, f"redis {op}")
-        finally:
-            self._client(0).flushall()
-        return from_latencies("redis", op, size, batch, threads, timing.elapsed_s, timing.batches,
-                              timing.latencies_s)
+        return measure_redis([self._client(t) for t in range(threads)], "b", self.mem_budget, op, size, batch,
+                             threads, seconds)
 
     @staticmethod
     def _set(r, keys: list[str], values: list[memoryview]) -> bool:
@@ -130,6 +108,42 @@ class RedisPeer(Target):
         for c in self._clients:
             c.close()
         self.server.stop()
+
+
+def measure_redis(clients: list, prefix: str, mem_budget: int, op: str, size: int, batch: int, threads: int,
+                  seconds: float, before_timing: Callable[[], None] | None = None) -> Record:
+    """One figure with ``clients[t]`` driving thread t, on keys under ``prefix`` (deleted
+    afterwards, so processes sharing a server never touch each other's keys); ``before_timing``
+    runs once the keys are loaded, just before the clock starts."""
+    bufs = Buffers(size, batch, threads)
+    n = keys_per_thread(mem_budget, size, batch, threads)
+    keys = [[[f"{prefix}/{t}/{size}/{i}/{j}" for j in range(batch)] for i in range(n)] for t in range(threads)]
+    src = [[v.data for v in bufs.views(s)] for s in bufs.src]
+    if op != "put":
+        for t in range(threads):
+            for ks in keys[t]:
+                RedisPeer._set(clients[t], ks, src[t])
+        got: list[Any] = list(clients[0].mget(keys[0][0]))
+        if any(g is None for g in got) or b"".join(got) != bufs.src[0].tobytes():
+            raise BenchError("redis returned wrong or missing bytes")
+
+    def step_for(t: int) -> Step:
+        r, ks, s = clients[t], keys[t], src[t]
+        if op == "put":
+            return lambda i: RedisPeer._set(r, ks[i % n], s)
+        if op == "get":
+            return lambda i: RedisPeer._get(r, ks[i % n], size)
+        return lambda i: r.exists(*ks[i % n]) == batch
+
+    try:
+        if before_timing is not None:
+            before_timing()
+        timing = drive([step_for(t) for t in range(threads)], seconds, f"redis {op}")
+    finally:
+        for per_thread in keys:
+            for ks in per_thread:
+                clients[0].delete(*ks)
+    return from_latencies("redis", op, size, batch, threads, timing.elapsed_s, timing.batches, timing.latencies_s)
 
 
 def make_redis_peer(mem_budget: int) -> RedisPeer | Unavailable:

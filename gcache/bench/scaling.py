@@ -22,10 +22,10 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gcache.bench.driver import BenchError, Step, drive
+from gcache.bench.driver import BenchError
 from gcache.bench.procs import GcacheProcs, combine, run_workers, wait_go
-from gcache.bench.records import Record, from_latencies, write_json
-from gcache.bench.targets import Buffers, GcacheTcp, Target, Unavailable, keys_per_thread
+from gcache.bench.records import Record, write_json
+from gcache.bench.targets import GcacheTcp, Target, Unavailable
 from gcache.sizes import format_size, parse_size
 
 BYTES_FROM = 64 << 10  # from this value size on, the curve is in GB/s; below, keys/s
@@ -60,44 +60,14 @@ def _fmt(v: float, unit: str) -> str:
 
 def _redis_measure(port: int, prefix: str, mem_budget: int, op: str, size: int, batch: int, threads: int,
                    seconds: float, before_timing: Any = None) -> Record:
-    """RedisPeer's measurement against a running server, on keys under ``prefix`` (deleted
-    afterwards, so processes sharing a server never touch each other's keys)."""
+    """RedisPeer's measurement against a running server, on keys under ``prefix``."""
     import redis
 
-    from gcache.bench.redis_peer import RedisPeer
+    from gcache.bench.redis_peer import measure_redis
 
     clients = [redis.Redis(host="127.0.0.1", port=port, socket_timeout=60) for _ in range(threads)]
     try:
-        bufs = Buffers(size, batch, threads)
-        n = keys_per_thread(mem_budget, size, batch, threads)
-        keys = [[[f"{prefix}/{t}/{size}/{i}/{j}" for j in range(batch)] for i in range(n)] for t in range(threads)]
-        src = [[v.data for v in bufs.views(s)] for s in bufs.src]
-        if op != "put":
-            for t in range(threads):
-                for ks in keys[t]:
-                    RedisPeer._set(clients[t], ks, src[t])
-            got: list[Any] = list(clients[0].mget(keys[0][0]))
-            if any(g is None for g in got) or b"".join(got) != bufs.src[0].tobytes():
-                raise BenchError("redis returned wrong or missing bytes")
-
-        def step_for(t: int) -> Step:
-            r, ks, s = clients[t], keys[t], src[t]
-            if op == "put":
-                return lambda i: RedisPeer._set(r, ks[i % n], s)
-            if op == "get":
-                return lambda i: RedisPeer._get(r, ks[i % n], size)
-            return lambda i: r.exists(*ks[i % n]) == batch
-
-        try:
-            if before_timing is not None:
-                before_timing()
-            timing = drive([step_for(t) for t in range(threads)], seconds, f"redis {op}")
-        finally:
-            for per_thread in keys:
-                for ks in per_thread:
-                    clients[0].delete(*ks)
-        return from_latencies("redis", op, size, batch, threads, timing.elapsed_s, timing.batches,
-                              timing.latencies_s)
+        return measure_redis(clients, prefix, mem_budget, op, size, batch, threads, seconds, before_timing)
     finally:
         for c in clients:
             c.close()
