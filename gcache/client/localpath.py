@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 LEASE_MARGIN_S = 0.05  # a local read finished this long before its lease deadline is valid
 PARALLEL_COPY_BYTES = 4 << 20  # a batch's copies this large are split over two threads
+Copies = list[tuple[memoryview, memoryview]]  # (dest, src) pairs
 CPUS = os.cpu_count() or 1
 
 
@@ -44,7 +45,7 @@ def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection
         raise ProtocolError(f"{conn.node}: LGET reply without one size and offset per key")
     status, sizes = op.status, op.sizes_out
     copied = []
-    pairs: list[tuple[memoryview, memoryview]] = []  # (dest, src) copies out of the arena
+    pairs: Copies = []  # out of the arena
     for i, st, sz, off in zip(idxs, sts, szs, offs):
         if st is not Status.OK:
             status[i] = st
@@ -79,7 +80,7 @@ def commit_put(op: PutOp, idxs: list[int], reply: dict[str, Any], conn: Connecti
     """Finish an LALLOC: copy the values into their reserved slots, then LCOMMIT them."""
     arena = pool.writable_arena(conn, deadline)
     reserved = statuses(reply, len(idxs), conn.node)
-    pairs = []
+    pairs: Copies = []
     for i, st, off in zip(idxs, reserved, reply.get("off") or []):
         if st is Status.OK:
             for part in op.views[i]:
@@ -91,14 +92,13 @@ def commit_put(op: PutOp, idxs: list[int], reply: dict[str, Any], conn: Connecti
         op.status[i] = st if st0 is Status.OK else st0
 
 
-def copy_all(pairs: list[tuple[memoryview, memoryview]]) -> None:
+def copy_all(pairs: Copies) -> None:
     """Do every (dest, src) copy; a batch of at least PARALLEL_COPY_BYTES is split in two
     halves by bytes, one copied by a helper thread while this one copies the other (numpy copies
     without the GIL, and one core does not saturate the memory bus)."""
     total = sum(len(d) for d, _s in pairs)
     if total < PARALLEL_COPY_BYTES or CPUS < 2:
-        for d, src in pairs:
-            memcpy(d, src)
+        _copy_each(pairs)
         return
     first, second = halves(pairs, total // 2)
     done = _helper().submit(_copy_each, second)
@@ -106,9 +106,6 @@ def copy_all(pairs: list[tuple[memoryview, memoryview]]) -> None:
         _copy_each(first)
     finally:
         done.result()
-
-
-Copies = list[tuple[memoryview, memoryview]]  # (dest, src) pairs
 
 
 def halves(pairs: Copies, cut: int) -> tuple[Copies, Copies]:
@@ -128,7 +125,7 @@ def halves(pairs: Copies, cut: int) -> tuple[Copies, Copies]:
     return first, []
 
 
-def _copy_each(pairs: list[tuple[memoryview, memoryview]]) -> None:
+def _copy_each(pairs: Copies) -> None:
     for d, src in pairs:
         memcpy(d, src)
 

@@ -104,8 +104,8 @@ class MembershipWatcher:
         while not self._stop.is_set():
             address = order[i % len(order)]
             i += 1
-            standby = order[i % len(order)] if self.standby else address
-            if self._attempt(address, standby if standby != address else None):
+            nxt = order[i % len(order)]
+            if self._attempt(address, nxt if self.standby and nxt != address else None):
                 backoff.reset()
                 wait = random.uniform(0, REATTACH_SPREAD_S)
             else:

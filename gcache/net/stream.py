@@ -161,30 +161,23 @@ class PolledSocketStream(SocketStream):
         if remaining <= 0 or not poller.poll(remaining * 1000.0):
             raise TimeoutError("timed out")
 
-    def _recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int:
+    def _polled(self, poller: Any, call: Any, *args: Any) -> Any:
+        """``call(*args)`` on the non-blocking socket, waiting with ``poller`` (until the
+        deadline) each time it would block."""
         while True:
             try:
-                return self._raw_recv_into(buffer, nbytes, flags)
+                return call(*args)
             except BlockingIOError:
-                self._wait(self._pin)
+                self._wait(poller)
+
+    def _recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int:
+        return self._polled(self._pin, self._raw_recv_into, buffer, nbytes, flags)
 
     def _recvmsg_into(self, buffers: Iterable[Any], /) -> tuple[int, list[Any], int, Any]:
-        if type(buffers) is not list:
-            buffers = list(buffers)
-        while True:
-            try:
-                return self._raw_recvmsg_into(buffers)
-            except BlockingIOError:
-                self._wait(self._pin)
+        return self._polled(self._pin, self._raw_recvmsg_into, buffers if type(buffers) is list else list(buffers))
 
     def _sendmsg(self, buffers: Iterable[Any], /) -> int:
-        if type(buffers) is not list:
-            buffers = list(buffers)
-        while True:
-            try:
-                return self.sendmsg_nowait(buffers)
-            except BlockingIOError:
-                self._wait(self._pout)
+        return self._polled(self._pout, self.sendmsg_nowait, buffers if type(buffers) is list else list(buffers))
 
     def _settimeout(self, timeout: float | None, /) -> None:
         """The deadline becomes now + ``timeout`` (None: no deadline); the socket stays non-blocking."""
@@ -203,8 +196,4 @@ class PolledSocketStream(SocketStream):
             return False
 
     def recv_fds(self, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
-        while True:
-            try:
-                return super().recv_fds(bufsize, maxfds)
-            except BlockingIOError:
-                self._wait(self._pin)
+        return self._polled(self._pin, super().recv_fds, bufsize, maxfds)

@@ -254,18 +254,14 @@ class Handler:
         return agent.owns if ep < agent.epoch else None
 
     def _keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
-        """_key_status of each key (without an owner check: one comprehension, no call per key)."""
-        if self._owner_check is None:
-            return [None if type(k) is bytes and 0 < len(k) <= _MAX_KEY else Status.BAD_KEY for k in keys]
-        return [self._key_status(ns, k) for k in keys]
-
-    def _key_status(self, ns: str, key: object) -> Status | None:
-        """BAD_KEY or NOT_OWNER for a key this request must not touch, else None."""
-        if type(key) is not bytes or not 0 < len(key) <= P.MAX_KEY_BYTES:  # P.key_error, inlined
-            return Status.BAD_KEY
-        if self._owner_check is not None and not self._owner_check(ns, key):
-            return Status.NOT_OWNER
-        return None
+        """Per key: BAD_KEY or NOT_OWNER for a key this request must not touch, else None (the
+        key check inlined in one comprehension: no call per key)."""
+        out: list[Status | None] = [None if type(k) is bytes and 0 < len(k) <= _MAX_KEY else Status.BAD_KEY
+                                    for k in keys]
+        check = self._owner_check
+        if check is not None:
+            out = [r if r is not None or check(ns, k) else Status.NOT_OWNER for r, k in zip(out, keys)]
+        return out
 
     # -- ops --------------------------------------------------------------------------------
     def _put(self, meta: dict[str, Any], payload_len: int) -> tuple[dict, int]:
@@ -289,8 +285,7 @@ class Handler:
         chunk: list[tuple[int, Reservation]] = []
         chunk_bytes = 0
         try:
-            for i, (key, size) in enumerate(zip(keys, sizes)):
-                st = self._key_status(ns, key)
+            for i, (key, size, st) in enumerate(zip(keys, sizes, self._keys_status(ns, keys))):
                 if st is None and log_ is not None and not handover:
                     log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
                 res = self.store.reserve(size, group) if st is None else st
@@ -409,8 +404,7 @@ class Handler:
         ns, keys = self._ns_keys(meta)
         log_ = self.agent.touchlog if self.agent is not None else None
         out: list[int] = []
-        for k in keys:
-            refused = self._key_status(ns, k)
+        for k, refused in zip(keys, self._keys_status(ns, keys)):
             if refused is None and log_ is not None:
                 log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
             out.append(int(refused if refused is not None else (OK if self.store.delete((ns, k)) else NOT_FOUND)))

@@ -157,8 +157,7 @@ class LocalHandler(Handler):
         offs: list[int] = []
         reservations: list[tuple[bytes, Reservation | None]] = []
         log_ = self.agent.touchlog if self.agent is not None else None
-        for key, size in zip(keys, sizes):
-            refused = self._key_status(ns, key)
+        for key, size, refused in zip(keys, sizes, self._keys_status(ns, keys)):
             if refused is None and log_ is not None:
                 log_.touch((ns, key))  # before the write lands (gcache.server.touchlog)
             res = self.store.reserve(size, group) if refused is None else refused
