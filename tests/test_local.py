@@ -147,6 +147,36 @@ def test_a_read_whose_lease_expired_is_reported_invalid(make_cluster):
         conn.close()
 
 
+
+def test_a_get_whose_copy_outlasts_its_lease_reports_misses_not_torn_bytes(make_cluster, monkeypatch):
+    """The batch's arena copies run once every owner has answered. Here they stall while another
+    client overwrites the keys and the daemons' reapers release the expired leases (the old
+    slots may now be reused): the client must not trust what it copied (LDONE with a reply, not
+    one-way) and reports misses; the next get returns the new values, and no slot stays pinned."""
+    import gcache.client.fanout as fanout
+
+    c = make_cluster(nodes=2, mem="64MiB", extra_args=["--lease", "0.3"])
+    keys = [f"k{i}" for i in range(8)]
+    old, new = [os.urandom(300_000) for _ in keys], [os.urandom(300_000) for _ in keys]
+    real_copy = fanout.copy_all
+    with Client(c.addresses, local=LocalPath.FORCE, local_min_bytes=0) as cl, \
+            Client(c.addresses, local=LocalPath.OFF) as writer:
+        assert len(set(cl.owners(keys))) == 2 and cl.put(keys, old) == [Status.OK] * 8
+        settled = {a: ram_used(cl, a) for a in c.addresses}
+
+        def stalled_copy(pairs):
+            real_copy(pairs)
+            assert writer.put(keys, new) == [Status.OK] * 8  # the pinned old slots stay allocated...
+            # ...until the leases expire and the reapers free them
+            assert poll(lambda: {a: ram_used(writer, a) for a in c.addresses} == settled, 5)
+
+        monkeypatch.setattr(fanout, "copy_all", stalled_copy)
+        res = cl.get_into(keys, [np.zeros(300_000, np.uint8) for _ in keys])
+        assert res.status == [Status.NOT_FOUND] * 8
+        monkeypatch.setattr(fanout, "copy_all", real_copy)
+        assert [bytes(v) for v in cl.get(keys)] == new
+        assert {a: ram_used(cl, a) for a in c.addresses} == settled
+
 CLIENT_SCRIPT = r"""
 import sys, time
 from gcache.transport import open_connection

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gcache.client.config import LocalPath
+from gcache.client.localpath import Pending, copy_all
 from gcache.client.ops import Operation
 from gcache.client.planner import Request, misses, plan, to_fall_back, to_retry
 from gcache.client.pool import Pool
@@ -74,15 +75,17 @@ class Fanout:
                epoch: int, fallback: bool, failures: list[GCacheError], deadline: float,
                final: set[int] | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
-        epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead, and
-        ``op.finish_local`` copies through the mapped arena when their reply comes in."""
+        epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead;
+        ``op.finish_local`` says what to copy through the mapped arena, and the batch's copies
+        run together once every owner has answered (``_finish_local``)."""
         if not which:
             return 0
-        local = None
+        is_local = None
         if op.sizes is not None and op.local_op is not None and self.pool.local is not LocalPath.OFF:
-            local = lambda node: node in addr and self.pool.is_local(node, addr[node])
+            is_local = lambda node: node in addr and self.pool.is_local(node, addr[node])
         requests = plan(which, ring.owners(op.ns, [kbytes[i] for i in which]), op.sizes,
-                        self.split_bytes, self.split_keys, local)
+                        self.split_bytes, self.split_keys, is_local)
+        local: list[tuple[list[int], Connection, Pending]] = []  # local-path replies: copies to do
         epochs = [0]
         sync_jobs: dict[int, Job] = {}  # not pollable (UCX, memory): posted now, read below
         sending: dict[int, Job] = {}  # frames the socket did not take at once
@@ -114,10 +117,10 @@ class Fanout:
             tomb = meta.get("tomb")
             if final is not None and isinstance(tomb, list):
                 final.update(idxs[j] for j in tomb if isinstance(j, int) and 0 <= j < len(idxs))
-            if leased(idxs, conn):
-                op.finish_local(idxs, meta, conn, self.pool, deadline)  # copy through the mapped arena
-            else:
-                op.finish(idxs, meta, plen, conn, deadline)
+            if leased(idxs, conn):  # copied through the mapped arena once every reply is in
+                local.append((idxs, conn, op.finish_local(idxs, meta, conn, self.pool, deadline)))
+                return True
+            op.finish(idxs, meta, plen, conn, deadline)
             self.pool.put(conn)
             return True
 
@@ -164,7 +167,21 @@ class Fanout:
         self._poll_loop(op, sent, select.POLLIN, deadline, failures, receive)
         for t in threads:
             t.join()
+        if local:
+            self._finish_local(op, local, deadline, failures)
         return max(epochs)
+
+    def _finish_local(self, op: Operation, local: list[tuple[list[int], Connection, Pending]], deadline: float,
+                      failures: list[GCacheError]) -> None:
+        """The batch's local-path copies, all at once (the daemons have answered, so the copy
+        threads have the cores to themselves), then each request's release or commit."""
+        copy_all([pair for _i, _c, p in local for pair in p.pairs])
+        for idxs, conn, pending in local:
+            try:
+                pending.finish(deadline)
+                self.pool.put(conn)
+            except GCacheError as exc:
+                self._failed(op, idxs, conn, exc, failures)
 
     def _read_sync(self, op: Operation, jobs: dict[int, Job], deadline: float, failures: list[GCacheError],
                    receive: Callable[[list[int], Connection], bool]) -> None:

@@ -1,6 +1,10 @@
 """The client's side of the local shared-memory path's lease protocol (the daemon's side and
 the rules are in gcache.server.local).
 
+A request's reply is turned into a ``Pending``: its copies and what finishes it. The fan-out
+runs every copy of the batch at once, after the last owner has answered (so the copy threads
+do not compete with daemons still working on their requests), then each request's finish.
+
 * Gets: LGET pinned the hits under a lease and answered their arena offsets; copy them out of
   the mapped arena, then release the lease with LDONE. A copy finished well inside the lease
   cannot have raced a reuse of its slots, so the release is one-way; otherwise LDONE says
@@ -14,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +39,19 @@ Copies = list[tuple[memoryview, memoryview]]  # (dest, src) pairs
 CPUS = os.cpu_count() or 1
 
 
-def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection, deadline: float) -> None:
-    """Finish an LGET: copy each hit out of the arena into its destination, release the lease."""
+class Pending:
+    """A local-path request whose copies wait for the batch's other replies (all of a batch's
+    copies then run at once, over two threads when large) and what finishes it afterwards."""
+
+    __slots__ = ("finish", "pairs")
+
+    def __init__(self, pairs: Copies, finish: Callable[[float], None]) -> None:
+        self.pairs, self.finish = pairs, finish
+
+
+def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection, deadline: float) -> Pending:
+    """Start finishing an LGET: what to copy out of the arena into each hit's destination, and
+    the lease's release (after the copy)."""
     arena = conn.arena
     assert arena is not None
     sts = statuses(reply, len(idxs), conn.node)
@@ -62,22 +78,25 @@ def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection
             pairs += copy_pairs(arena[off:off + sz], dest)
             copied.append(i)
         status[i], sizes[i] = Status.OK, sz
-    copy_all(pairs)
     op.take_meta(idxs, reply)
-    if reply.get("ls"):
-        dl = reply.get("dl")
-        if isinstance(dl, float) and time.monotonic() < dl - LEASE_MARGIN_S:
-            conn.send_oneway(Op.LDONE, {"ls": [reply["ls"]]}, deadline)
+    lease, dl = reply.get("ls"), reply.get("dl")
+
+    def release(deadline: float) -> None:
+        if not lease:
             return
-        held = conn.call(Op.LDONE, {"ls": [reply["ls"]]}, deadline).get("ok")
-        if held != [True]:
+        if isinstance(dl, float) and time.monotonic() < dl - LEASE_MARGIN_S:
+            conn.send_oneway(Op.LDONE, {"ls": [lease]}, deadline)
+            return
+        if conn.call(Op.LDONE, {"ls": [lease]}, deadline).get("ok") != [True]:
             for i in copied:  # the lease expired during the copy: the bytes may be torn
                 status[i], sizes[i] = Status.NOT_FOUND, 0
 
+    return Pending(pairs, release)
+
 
 def commit_put(op: PutOp, idxs: list[int], reply: dict[str, Any], conn: Connection, pool: Pool,
-               deadline: float) -> None:
-    """Finish an LALLOC: copy the values into their reserved slots, then LCOMMIT them."""
+               deadline: float) -> Pending:
+    """Start finishing an LALLOC: what to copy into the reserved slots, then LCOMMIT them."""
     arena = pool.writable_arena(conn, deadline)
     reserved = statuses(reply, len(idxs), conn.node)
     pairs: Copies = []
@@ -86,10 +105,13 @@ def commit_put(op: PutOp, idxs: list[int], reply: dict[str, Any], conn: Connecti
             for part in op.views[i]:
                 pairs.append((arena[off:off + len(part)], part))
                 off += len(part)
-    copy_all(pairs)
-    done = statuses(conn.call(Op.LCOMMIT, {"ls": reply["ls"]}, deadline), len(idxs), conn.node)
-    for i, st0, st in zip(idxs, reserved, done):
-        op.status[i] = st if st0 is Status.OK else st0
+
+    def commit(deadline: float) -> None:
+        done = statuses(conn.call(Op.LCOMMIT, {"ls": reply["ls"]}, deadline), len(idxs), conn.node)
+        for i, st0, st in zip(idxs, reserved, done):
+            op.status[i] = st if st0 is Status.OK else st0
+
+    return Pending(pairs, commit)
 
 
 def copy_all(pairs: Copies) -> None:

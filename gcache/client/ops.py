@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gcache.client.localpath import commit_put, copy_out
+from gcache.client.localpath import Pending, commit_put, copy_out
 from gcache.client.replies import Dest, fill_views, nbytes, statuses
 from gcache.errors import ProtocolError
 from gcache.protocol import Op, Status
@@ -48,7 +48,7 @@ class Operation:
         for i, st in zip(idxs, statuses(reply, len(idxs), conn.node)):
             self.status[i] = st
 
-    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> None:
+    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> Pending:
         raise NotImplementedError(f"{self.op.name} has no local-path form")
 
 
@@ -82,8 +82,8 @@ class PutOp(Operation):
             meta["pool"] = self.pool
         return meta, [part for i in idxs for part in self.views[i]]
 
-    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> None:
-        commit_put(self, idxs, reply, conn, pool, deadline)
+    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> Pending:
+        return commit_put(self, idxs, reply, conn, pool, deadline)
 
 
 class GetOp(Operation):
@@ -144,5 +144,5 @@ class GetOp(Operation):
         conn.recv_scatter(into, deadline)
         self.take_meta(idxs, reply)
 
-    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> None:
-        copy_out(self, idxs, reply, conn, deadline)
+    def finish_local(self, idxs: list[int], reply: Meta, conn: Connection, pool: Pool, deadline: float) -> Pending:
+        return copy_out(self, idxs, reply, conn, deadline)

@@ -361,8 +361,7 @@ class Handler:
             self.reply(Op.GET, req_id, reply, 0, [h.view for h in hits])
             return sum(sizes)
         finally:
-            for hit in hits:
-                self.store.release(hit)
+            self.store.release_many(hits)
 
     def _simple(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         if op is Op.PING:

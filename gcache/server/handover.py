@@ -60,8 +60,7 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
             status = put(membership, ns, pool, [k for k, _ in sel], [h.view for _, h in sel], [h.meta for _, h in sel])
             pushed += [(k, h.seq) for (k, h), st in zip(sel, status) if st is Status.OK]
     finally:
-        for _k, hit in present:
-            store.release(hit)
+        store.release_many([hit for _k, hit in present])
     for k, seq in pushed:
         store.delete((ns, k), if_seq=seq)
     return len(pushed)

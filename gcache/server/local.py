@@ -80,8 +80,8 @@ class LocalHandler(Handler):
             return self._leases.pop(lid, None) if isinstance(lid, int) else None
 
     def _drop(self, lease: _Lease) -> None:
-        for hit in lease.hits or ():
-            self.store.release(hit)
+        if lease.hits:
+            self.store.release_many(lease.hits)
         for _key, res in lease.reservations or ():
             if res is not None:
                 self.store.abort(res)

@@ -222,18 +222,25 @@ class Store:
             for i, key in disk:
                 out[i] = self._acquire_from_disk(key)
         except BaseException:
-            for hit in out:
-                if hit is not None:
-                    self.release(hit)
+            self.release_many([hit for hit in out if hit is not None])
             raise
         return out
 
     def release(self, hit: Hit) -> None:
-        if hit.entry is not None:
-            with self._lock:
-                self.ram.unpin(hit.entry)
-                if hit.entry.dead:
-                    self._lock.notify_all()
+        self.release_many([hit])
+
+    def release_many(self, hits: Sequence[Hit]) -> None:
+        """Unpin each hit (one lock for the batch)."""
+        entries = [h.entry for h in hits if h.entry is not None]
+        if not entries:
+            return
+        unpin, freed = self.ram.unpin, False
+        with self._lock:
+            for e in entries:
+                unpin(e)
+                freed = freed or e.dead
+            if freed:
+                self._lock.notify_all()
 
     def _queued(self, key: Key, now: float) -> RamEntry | None:
         """Lock held: the live value of ``key`` waiting for the disk, if any."""
