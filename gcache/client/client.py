@@ -20,7 +20,7 @@ from gcache.client.config import ClientConfig, LocalPath, OnNodeError
 from gcache.client.fanout import Fanout
 from gcache.client.ops import GetOp, Operation, PutOp
 from gcache.client.pool import Pool
-from gcache.client.replies import Dest, parts
+from gcache.client.replies import OK, Dest, parts
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.env import SCHEME
@@ -48,10 +48,10 @@ class GetResult:
 
     @property
     def hits(self) -> int:
-        return sum(1 for s in self.status if s is Status.OK)
+        return sum(1 for s in self.status if s is OK)
 
     def ok(self) -> list[bool]:
-        return [s is Status.OK for s in self.status]
+        return [s is OK for s in self.status]
 
 
 def _key_bytes(key: KeyLike) -> bytes:
@@ -204,7 +204,7 @@ class Client:
         if any(is_device_tensor(b) for b in buffers):
             staging = self.staging()
             st = staging.get_into(self, keys, buffers, namespace=namespace)
-            return GetResult(st, [staging.copier.nbytes(b) if s is Status.OK else 0 for s, b in zip(st, buffers)])
+            return GetResult(st, [staging.copier.nbytes(b) if s is OK else 0 for s, b in zip(st, buffers)])
         views: list[Dest] = [parts(b, True) if isinstance(b, (list, tuple)) else as_view(b, writable=True)
                              for b in buffers]
         return self._get(keys, views, namespace or self.namespace, with_meta)[0]
@@ -212,7 +212,7 @@ class Client:
     def get(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bytearray | None]:
         """Read values into new bytearrays (convenience; get_into avoids the allocation)."""
         res, bufs = self._get(keys, None, namespace or self.namespace)
-        return [buf if st is Status.OK else None for st, buf in zip(res.status, bufs)]
+        return [buf if st is OK else None for st, buf in zip(res.status, bufs)]
 
     def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None,
                tail: Sequence[int] | None = None) -> list[bool]:
@@ -223,11 +223,11 @@ class Client:
         per_key = {"tail": [int(t) for t in tail]} if tail is not None else None
         op = Operation(Op.EXISTS, namespace or self.namespace, len(keys), per_key)
         self._run(op, keys)
-        return [s is Status.OK for s in op.status]
+        return [s is OK for s in op.status]
 
     def delete(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
         """True for each key that existed."""
-        return [s is Status.OK for s in self.delete_status(keys, namespace=namespace)]
+        return [s is OK for s in self.delete_status(keys, namespace=namespace)]
 
     def delete_status(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[Status]:
         """Delete, with each key's Status: OK (it existed), NOT_FOUND, or (with OnNodeError.MISS)
@@ -270,7 +270,7 @@ class Client:
         self._run(op, keys)
         metas = op.metas
         if metas is not None:
-            metas = [m if st is Status.OK else None for m, st in zip(metas, op.status)]
+            metas = [m if st is OK else None for m, st in zip(metas, op.status)]
         return GetResult(op.status, op.sizes_out, metas), op.bufs
 
     def _run(self, op: Operation, keys: Sequence[KeyLike]) -> None:

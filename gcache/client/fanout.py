@@ -29,6 +29,11 @@ from gcache.protocol import Op, Status
 from gcache.transport import Connection
 
 Job = tuple[list[int], Connection]
+# Requests that carry keys and statuses only (EXISTS, DELETE) go one per owner up to this many
+# keys: the daemon answers them under one lock, and a second request only costs syscalls on
+# both sides (exists of 128 keys on one daemon: 294k keys/s split at 64, 366k unsplit).
+PROBE_SPLIT_KEYS = 4096
+FINISH_GRACE_S = 0.2  # a local-path request answered in time is released or committed within this
 
 
 class Fanout:
@@ -83,8 +88,8 @@ class Fanout:
         is_local = None
         if op.sizes is not None and op.local_op is not None and self.pool.local is not LocalPath.OFF:
             is_local = lambda node: node in addr and self.pool.is_local(node, addr[node])
-        requests = plan(which, ring.owners(op.ns, [kbytes[i] for i in which]), op.sizes,
-                        self.split_bytes, self.split_keys, is_local)
+        requests = plan(which, ring.owners(op.ns, [kbytes[i] for i in which]), op.sizes, self.split_bytes,
+                        self.split_keys if op.moves_values else max(self.split_keys, PROBE_SPLIT_KEYS), is_local)
         local: list[tuple[list[int], Connection, Pending]] = []  # local-path replies: copies to do
         epochs = [0]
         sync_jobs: dict[int, Job] = {}  # not pollable (UCX, memory): posted now, read below
@@ -174,11 +179,14 @@ class Fanout:
     def _finish_local(self, op: Operation, local: list[tuple[list[int], Connection, Pending]], deadline: float,
                       failures: list[GCacheError]) -> None:
         """The batch's local-path copies, all at once (the daemons have answered, so the copy
-        threads have the cores to themselves), then each request's release or commit."""
+        threads have the cores to themselves), then each request's release or commit. These
+        owners answered in time; when another one ran the batch out of its deadline, theirs are
+        still finished, within FINISH_GRACE_S."""
         copy_all([pair for _i, _c, p in local for pair in p.pairs])
+        finish_by = max(deadline, time.monotonic() + FINISH_GRACE_S)
         for idxs, conn, pending in local:
             try:
-                pending.finish(deadline)
+                pending.finish(finish_by)
                 self.pool.put(conn)
             except GCacheError as exc:
                 self._failed(op, idxs, conn, exc, failures)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gcache.client.replies import Dest, nbytes, recv_parts, statuses
+from gcache.client.replies import BUFFER_TOO_SMALL, OK, Dest, nbytes, recv_parts, statuses
 from gcache.errors import ProtocolError
 from gcache.protocol import Op, Status
 from gcache.transport import Connection
@@ -63,21 +63,21 @@ def copy_out(op: GetOp, idxs: list[int], reply: dict[str, Any], conn: Connection
     copied = []
     pairs: Copies = []  # out of the arena
     for i, st, sz, off in zip(idxs, sts, szs, offs):
-        if st is not Status.OK:
+        if st is not OK:
             status[i] = st
             continue
         dest = op.dest(i, sz)
         if nbytes(dest) < sz:
             if off < 0:
                 conn.discard(sz, deadline)
-            status[i], sizes[i] = Status.BUFFER_TOO_SMALL, sz
+            status[i], sizes[i] = BUFFER_TOO_SMALL, sz
             continue
         if off < 0:  # sent inline (not in the arena)
             recv_parts(conn, dest, sz, deadline)
         else:
             pairs += copy_pairs(arena[off:off + sz], dest)
             copied.append(i)
-        status[i], sizes[i] = Status.OK, sz
+        status[i], sizes[i] = OK, sz
     op.take_meta(idxs, reply)
     lease, dl = reply.get("ls"), reply.get("dl")
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gcache.client.localpath import Pending, commit_put, copy_out
-from gcache.client.replies import Dest, fill_views, nbytes, statuses
+from gcache.client.replies import BUFFER_TOO_SMALL, OK, Dest, fill_views, nbytes, statuses
 from gcache.errors import ProtocolError
 from gcache.protocol import Op, Status
 from gcache.tier.valuemeta import ValueMeta
@@ -27,6 +27,7 @@ Meta = dict[str, Any]
 class Operation:
     """The base: an operation on keys only (EXISTS, DELETE), one Status per key back."""
 
+    moves_values = False  # a request carries values or answers with them (else: keys and statuses only)
     local_op: Op | None = None  # what a request over the local path is (None: the same as over TCP)
     lease_round_trips = 1  # synchronous round trips of local_op's lease protocol (LGET; LDONE is one-way)
     sizes: Sequence[int] | None = None  # per-key bytes, when known (splits large batches)
@@ -56,6 +57,7 @@ class PutOp(Operation):
     """PUT: values from the caller's buffers (each a list of parts, sent scatter-gather) with
     their metadata fields (one value for all keys, or one per key)."""
 
+    moves_values = True
     local_op = Op.LALLOC
     lease_round_trips = 2  # LALLOC, then LCOMMIT
 
@@ -90,6 +92,7 @@ class GetOp(Operation):
     """GET: each hit's bytes into the caller's buffer (``views``) or, without buffers, into a
     new bytearray (``bufs``); ``with_meta`` also collects each hit's value-metadata record."""
 
+    moves_values = True
     local_op = Op.LGET
 
     def __init__(self, ns: str, n: int, views: list[Dest] | None, with_meta: bool) -> None:
@@ -123,13 +126,13 @@ class GetOp(Operation):
         if not isinstance(szs, list) or len(szs) != len(idxs):
             conn.broken = True
             raise ProtocolError(f"{conn.node}: GET reply without one size per key")
-        if sum(sz for st, sz in zip(sts, szs) if st is Status.OK) != plen:
+        if sum(sz for st, sz in zip(sts, szs) if st is OK) != plen:
             conn.broken = True
             raise ProtocolError(f"{conn.node}: GET reply sizes do not add up to its payload")
         into: list[memoryview] = []  # hits' bytes, in reply order: received in one go
         for i, st, sz in zip(idxs, sts, szs):
             self.sizes_out[i] = sz
-            if st is not Status.OK:
+            if st is not OK:
                 self.status[i] = st
                 continue
             dest = self.dest(i, sz)
@@ -137,10 +140,10 @@ class GetOp(Operation):
                 conn.recv_scatter(into, deadline)
                 into = []
                 conn.discard(sz, deadline)
-                self.status[i] = Status.BUFFER_TOO_SMALL
+                self.status[i] = BUFFER_TOO_SMALL
                 continue
             into += fill_views(dest, sz)
-            self.status[i] = Status.OK
+            self.status[i] = OK
         conn.recv_scatter(into, deadline)
         self.take_meta(idxs, reply)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gcache.client.replies import NOT_FOUND, NOT_OWNER
 from gcache.protocol import Status
 
 
@@ -58,13 +59,17 @@ def plan(which: Sequence[int], owners: Sequence[str], sizes: Sequence[int] | Non
 
 def to_retry(status: Sequence[Status]) -> list[int]:
     """Keys a daemon refused as NOT_OWNER: our membership was stale; retried once on a newer one."""
-    return [i for i, st in enumerate(status) if st is Status.NOT_OWNER]
+    if NOT_OWNER not in status:  # the usual case, without a Python step per key
+        return []
+    return [i for i, st in enumerate(status) if st is NOT_OWNER]
 
 
 def misses(status: Sequence[Status], final: set[int]) -> list[int]:
     """Keys that missed, and whose miss is not final (``final``: a client wrote or deleted the
     key on its new owner during a handover, gcache.server.touchlog)."""
-    return [i for i, st in enumerate(status) if st is Status.NOT_FOUND and i not in final]
+    if NOT_FOUND not in status:
+        return []
+    return [i for i, st in enumerate(status) if st is NOT_FOUND and i not in final]
 
 
 def to_fall_back(which: Sequence[int], now: Sequence[str], before: Sequence[str],

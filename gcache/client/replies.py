@@ -14,6 +14,8 @@ Meta = dict[str, Any]
 
 
 _STATUS = {int(s): s for s in Status}  # a dict lookup per key, not an Enum call
+# For per-key comparisons: a global costs ~8 ns where an Enum attribute (Status.OK) costs ~70.
+OK, NOT_FOUND, NOT_OWNER, BUFFER_TOO_SMALL = Status.OK, Status.NOT_FOUND, Status.NOT_OWNER, Status.BUFFER_TOO_SMALL
 
 
 def statuses(reply: Meta, n: int, node: str) -> list[Status]:
