@@ -14,7 +14,16 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from gcache.bench import adapter, control_report, gpu_check, scaling, store_ops, swa_capacity, ucx_check
+from gcache.bench import (
+    adapter,
+    control_report,
+    gpu_check,
+    instructions,
+    scaling,
+    store_ops,
+    swa_capacity,
+    ucx_check,
+)
 from gcache.tier.eviction import EvictionKind
 
 
@@ -125,6 +134,9 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
                      "gcache.bench.swa_capacity"),
     "store-ops": (("per-operation CPU cost of the in-process store (put with eviction, get, exists) for each "
                   "eviction policy"), store_ops.add_arguments, "gcache.bench.store_ops"),
+    "instructions": (("CPU instructions per batch on the client and per request in the daemon (callgrind: "
+                      "stable on a loaded machine; needs valgrind)"), instructions.add_arguments,
+                     "gcache.bench.instructions"),
     "ucx-check": (("UCX (tcp and shared memory) beside plain TCP through gcache.Client, with the memcpy and "
                   "raw TCP ceilings"), ucx_check.add_arguments, "gcache.bench.ucx_check"),
     "gpu-check": (("CUDA tensors through the pinned staging pool beside the device->host copy bandwidth "

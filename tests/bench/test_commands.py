@@ -11,8 +11,8 @@ import pytest
 from gcache.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("throughput", "hitrate", "embedding", "adapter", "scaling", "soak", "swa-capacity", "store-ops", "ucx-check", "gpu-check",
-            "control-plane")
+COMMANDS = ("throughput", "hitrate", "embedding", "adapter", "scaling", "soak", "swa-capacity", "store-ops",
+            "instructions", "ucx-check", "gpu-check", "control-plane")
 
 
 def bench_parser() -> argparse.ArgumentParser:
