@@ -2,6 +2,7 @@
 resistance, and the store hooks that drive them (in-process, no sockets)."""
 
 import itertools
+import random
 
 import pytest
 
@@ -188,6 +189,26 @@ def test_slru_pinned_keys_are_offered_once():
     assert list(p.candidates()) == ["a", "b", "c"]  # all pinned: each once, probation first
     assert len(p) == 3
 
+
+
+@pytest.mark.parametrize("kind", list(EvictionKind))
+def test_hit_many_is_hit_of_each_key_in_order(kind):
+    """A request's references in one call (hit_many) leave every policy as one hit per key would:
+    same eviction order, same sizes, unknown and repeated keys included."""
+    rng = random.Random(7)
+    one, many = (make_policy(EvictionConfig(kind), 400) for _ in range(2))
+    for step in range(300):
+        if step % 3 == 0:
+            key, size = rng.randrange(60), rng.randrange(1, 20)
+            one.insert(key, size)
+            many.insert(key, size)
+        else:
+            keys = [rng.randrange(70) for _ in range(rng.randrange(1, 9))]  # some unknown, some twice
+            for k in keys:
+                one.hit(k)
+            many.hit_many(keys)
+        assert len(one) == len(many)
+    assert list(one.candidates()) == list(many.candidates())
 
 def test_seq_ghost_ages_and_bound():
     g = SeqGhost(1.0)

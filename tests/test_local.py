@@ -14,6 +14,7 @@ import xxhash
 
 from gcache import Client, ConnectionFailed, LocalPath, Status
 from gcache import protocol as P
+from gcache.client import fanout
 from gcache.net.address import is_local_host, unix_name
 from gcache.transport import open_connection
 from tests.conftest import poll
@@ -153,8 +154,6 @@ def test_a_get_whose_copy_outlasts_its_lease_reports_misses_not_torn_bytes(make_
     client overwrites the keys and the daemons' reapers release the expired leases (the old
     slots may now be reused): the client must not trust what it copied (LDONE with a reply, not
     one-way) and reports misses; the next get returns the new values, and no slot stays pinned."""
-    import gcache.client.fanout as fanout
-
     c = make_cluster(nodes=2, mem="64MiB", extra_args=["--lease", "0.3"])
     keys = [f"k{i}" for i in range(8)]
     old, new = [os.urandom(300_000) for _ in keys], [os.urandom(300_000) for _ in keys]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -139,6 +139,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def hit(self, key: Hashable) -> None:
         """A resident key was referenced (get, exists). Unknown keys are ignored."""
+
+    def hit_many(self, keys: Iterable[Hashable]) -> None:
+        """hit() of each key, in order: a request's references in one call."""
+        for key in keys:
+            self.hit(key)
 
     @abstractmethod
     def remove(self, key: Hashable, evicted: bool = False) -> None:

@@ -75,8 +75,9 @@ class RamTier:
     def lookup_many(self, keys: Sequence[Key | None], now: float) -> list[RamEntry | None]:
         """lookup() of each key (None: a miss), in one loop: a batch's probes without a method
         call per key."""
-        get, to_end, hit = self.index.get, self.index.move_to_end, self.policy.hit
+        get, to_end = self.index.get, self.index.move_to_end
         out: list[RamEntry | None] = []
+        hits = []  # untagged hits: the policy's references, in one call
         for key in keys:
             if key is None:
                 out.append(None)
@@ -91,8 +92,10 @@ class RamTier:
                     if e.group is not None:
                         e.group.touch(key, e, self.bucket(now))
                     else:
-                        hit(key)
+                        hits.append(key)
             out.append(e)
+        if hits:
+            self.policy.hit_many(hits)
         return out
 
     def insert(self, key: Key, entry: RamEntry, reused: bool = False) -> RamEntry | None:

@@ -28,7 +28,7 @@ O(1) per operation: two ordered dicts of keys, two ghost dicts of hashes, each b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 from gcache.tier.eviction import MIN_GHOST, EvictionConfig, EvictionKind, EvictionPolicy
 
@@ -125,6 +125,20 @@ class SlruPolicy(EvictionPolicy):
             self._prob_bytes -= size
             self._main[key] = size
             self._main_bytes += size
+
+    def hit_many(self, keys: Iterable[Hashable]) -> None:
+        """hit() of each key, in one loop."""
+        main, prob = self._main, self._prob
+        to_end, take = main.move_to_end, prob.pop
+        for key in keys:
+            if key in main:
+                to_end(key)
+                continue
+            size = take(key, None)
+            if size is not None:
+                self._prob_bytes -= size
+                main[key] = size
+                self._main_bytes += size
 
     def remove(self, key: Hashable, evicted: bool = False) -> None:
         size = self._prob.pop(key, None)

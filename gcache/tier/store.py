@@ -303,20 +303,22 @@ class Store:
     def exists_many(self, keys: Sequence[Key | None], tails: Sequence[int | None] | None = None) -> list[bool]:
         """exists() for each key (None: skipped, False) under one lock for the RAM part; a RAM
         hit becomes most recent, ``tails[i]`` (not None) re-marks a pooled entry's tail flag."""
-        out = [False] * len(keys)
         disk: list[int] = []
         with self._lock:
             now = time.time()
-            for i, (key, e) in enumerate(zip(keys, self.ram.lookup_many(keys, now))):
-                if key is None:
-                    continue
-                tail = tails[i] if tails is not None else None
-                if e is not None and tail is not None and e.group is not None and e.tail != tail:
-                    e.group.touch(key, e, self.ram.bucket(now), tail)
-                if e is not None or self._queued(key, now) is not None:
-                    out[i] = True
-                else:
-                    disk.append(i)
+            entries = self.ram.lookup_many(keys, now)
+            out = [e is not None for e in entries]
+            if tails is not None:
+                for key, e, tail in zip(keys, entries, tails):
+                    if e is not None and tail is not None and e.group is not None and e.tail != tail:
+                        e.group.touch(key, e, self.ram.bucket(now), tail)  # type: ignore[arg-type]
+            if not all(out):  # RAM misses: waiting for the disk, or on it
+                for i, key in enumerate(keys):
+                    if not out[i] and key is not None:
+                        if self._queued(key, now) is not None:
+                            out[i] = True
+                        else:
+                            disk.append(i)
         nvme = self.nvme
         if nvme is not None:
             for i in disk:
