@@ -33,10 +33,24 @@ def test_double_free_is_refused():
         a.free_slot(o, 64)
 
 
+def test_a_freed_slot_is_reused_for_its_size_and_merged_back_when_a_larger_one_needs_it():
+    a = ExtentAllocator(8 * 1024)
+    offs = [a.alloc(1000) for _ in range(8)]
+    a.free_slot(offs[3], 1000)
+    assert a.alloc(1000) == offs[3]  # the quick list: the same slot, same size
+    assert a.alloc(1) is None
+    for o in offs[2:6]:
+        a.free_slot(o, 1000)
+    with pytest.raises(ValueError):
+        a.free_slot(offs[4], 1000)  # a double free of a quick-listed slot is refused too
+    assert a.alloc(4096) == offs[2]  # no extent fits: the quick-listed slots merge, 4 KiB at the first
+    assert a.used == 8 * 1024 and a.alloc(1) is None
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000)), max_size=200))
-def test_no_overlap_and_full_recovery(ops):
-    a = ExtentAllocator(64 * 1024)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000)), max_size=200), st.sampled_from([0, 3, 512]))
+def test_no_overlap_and_full_recovery(ops, quick_slots):
+    a = ExtentAllocator(64 * 1024, quick_slots)
     live: dict[int, int] = {}
     for is_alloc, size in ops:
         if is_alloc or not live:

@@ -8,6 +8,7 @@ import pytest
 from gcache.protocol import Status
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.store import Store, StoreConfig
+from gcache.tier.valuemeta import NO_META
 from tests.conftest import poll, read
 
 KB = 1024
@@ -35,6 +36,33 @@ def test_lru_evicts_least_recently_used_first(ram_store):
     assert present == [True, False, True, True, True]  # k1 was the least recent
     assert ram_store.stats()["evictions"] == 1
 
+
+
+def test_commit_many_publishes_in_order_and_gives_back_what_follows_a_failure(ram_store, monkeypatch):
+    s = ram_store
+    res = [s.reserve(4 * KB) for _ in range(4)]
+    for i, r in enumerate(res):
+        r.view[:] = bytes([i]) * (4 * KB)
+    real = s._publish
+    calls = []
+
+    def publish(key, r, entry):
+        calls.append(key)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        real(key, r, entry)
+
+    monkeypatch.setattr(s, "_publish", publish)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.commit_many([(("ns", b"k%d" % i), r, NO_META) for i, r in enumerate(res)])
+    assert calls == [("ns", b"k0"), ("ns", b"k1")]  # stopped at the failure
+    assert read(s, ("ns", b"k0")) == bytes([0]) * (4 * KB)
+    assert not s.exists(("ns", b"k2")) and not s.exists(("ns", b"k3"))
+    # k0 is stored, k2 and k3 were given back; only the slot of the one that failed is unaccounted
+    assert s.stats()["ram_used"] == 2 * 4 * KB
+    monkeypatch.setattr(s, "_publish", real)
+    s.commit_many([(("ns", b"a"), s.reserve(100), NO_META), (("ns", b"b"), s.reserve(200), NO_META)])
+    assert s.exists(("ns", b"a")) and s.exists(("ns", b"b")) and s.stats()["puts"] == 3
 
 def test_ttl_expiry(ram_store):
     ram_store.put(("ns", b"short"), b"v", ttl_s=0.05)

@@ -315,16 +315,19 @@ class Handler:
         if not chunk:
             return
         recv_scatter(self.stream, [res.view for _i, res in chunk])
+        if not handover:
+            try:
+                self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk])
+            finally:
+                chunk.clear()
+            return
         log_ = self.agent.touchlog if self.agent is not None else None
         for n, (i, res) in enumerate(chunk):
             args = ((ns, keys[i]), res, vmeta[i])
             try:
-                if handover:
-                    assert log_ is not None
-                    if not log_.admit((ns, keys[i]), self.store.exists, functools.partial(self.store.commit, *args)):
-                        self.store.abort(res)  # superseded here: as good as handed over
-                else:
-                    self.store.commit(*args)
+                assert log_ is not None
+                if not log_.admit((ns, keys[i]), self.store.exists, functools.partial(self.store.commit, *args)):
+                    self.store.abort(res)  # superseded here: as good as handed over
             except BaseException:
                 for _j, rest in chunk[n + 1:]:
                     self.store.abort(rest)

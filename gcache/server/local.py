@@ -176,14 +176,10 @@ class LocalHandler(Handler):
         lease = self._take(meta.get("ls"))
         if lease is None:
             raise Refused(P.ErrorCode.BAD_META, "lease unknown or expired: the values were not stored")
-        status = []
-        for i, (key, res) in enumerate(lease.reservations or ()):
-            if res is None:
-                status.append(int(Status.ERROR))
-            else:
-                self.store.commit((lease.ns, key), res, lease.meta[i] if lease.meta else NO_META)
-                status.append(int(Status.OK))
-        self.reply(Op.LCOMMIT, req_id, {"st": status})
+        reserved = lease.reservations or []
+        self.store.commit_many([((lease.ns, key), res, lease.meta[i] if lease.meta else NO_META)
+                                for i, (key, res) in enumerate(reserved) if res is not None])
+        self.reply(Op.LCOMMIT, req_id, {"st": [int(Status.ERROR if res is None else Status.OK) for _k, res in reserved]})
 
 
 class LocalServer:

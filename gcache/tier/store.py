@@ -164,20 +164,41 @@ class Store:
         """Publish a filled reservation with its value-metadata record. For a pooled reservation
         ``meta.pos`` orders eviction and ``meta.tail`` (1: a restore point's trailing-window page)
         is sticky across overwrites within the pool."""
-        entry = _entry_meta(RamEntry(res.off, res.size, 0.0), meta, meta.expires_at(time.time()))
+        self.commit_many([(key, res, meta)])
+
+    def commit_many(self, items: Sequence[tuple[Key, Reservation, ValueMeta]]) -> None:
+        """commit() of each (key, filled reservation, metadata), in order, under one lock. If one
+        fails, the reservations after it are given back (none of them is published)."""
+        now = time.time()
+        entries = [_entry_meta(RamEntry(res.off, res.size, 0.0), meta, meta.expires_at(now))
+                   for _key, res, meta in items]
         with self._lock:
-            entry.seq = self._next_seq()
-            self._forget_older(key, entry.seq)
-            old = self.ram.index.get(key)
-            if res.group is not None:
-                entry.group = res.group
-                if old is not None and old.group is res.group:
-                    entry.tail = max(entry.tail, old.tail)
-            self.ram.release(self.ram.insert(key, entry))
-            self.counters["puts"] += 1
-            self.counters["put_bytes"] += res.size
+            done = 0
+            try:
+                for (key, res, _meta), entry in zip(items, entries):
+                    self._publish(key, res, entry)
+                    done += 1
+            except BaseException:
+                for _key, res, _meta in items[done + 1:]:
+                    self.ram.alloc.free_slot(res.off, res.size)
+                self._lock.notify_all()
+                raise
+            finally:
+                self.counters["puts"] += done
+                self.counters["put_bytes"] += sum(res.size for _key, res, _meta in items[:done])
         if self.nvme is not None:
             self.nvme.sweep()  # files of segments a tombstone's reservation reclaimed
+
+    def _publish(self, key: Key, res: Reservation, entry: RamEntry) -> None:
+        """Lock held: index ``entry`` (the value in ``res``) as the newest value of ``key``."""
+        entry.seq = self._next_seq()
+        self._forget_older(key, entry.seq)
+        old = self.ram.index.get(key)
+        if res.group is not None:
+            entry.group = res.group
+            if old is not None and old.group is res.group:
+                entry.tail = max(entry.tail, old.tail)
+        self.ram.release(self.ram.insert(key, entry))
 
     def abort(self, res: Reservation) -> None:
         with self._lock:
