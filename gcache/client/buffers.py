@@ -25,6 +25,9 @@ def _torch_view(obj: Any) -> memoryview | None:
 
 def as_view(obj: Any, writable: bool = False) -> memoryview:
     """A flat, C-contiguous, unsigned-byte memoryview over ``obj``'s memory."""
+    kind = type(obj)
+    if kind is bytearray or (kind is bytes and not writable):  # always flat, contiguous bytes
+        return memoryview(obj)
     if isinstance(obj, memoryview):
         view = obj
     else:

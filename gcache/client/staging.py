@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from gcache.errors import ConfigError
 from gcache.protocol import Status
 
@@ -27,8 +29,13 @@ if TYPE_CHECKING:
     from gcache.client.client import Client
 
 
+_HOST_TYPES = frozenset({bytes, bytearray, memoryview, np.ndarray})  # never on a device: no module check
+
+
 def is_device_tensor(obj: Any) -> bool:
     """A torch tensor or cupy array that lives on a GPU."""
+    if type(obj) in _HOST_TYPES:
+        return False
     mod = type(obj).__module__
     if mod.startswith("torch"):
         return bool(obj.device.type != "cpu")

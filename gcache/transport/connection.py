@@ -57,6 +57,7 @@ class Connection:
         self._pending: list[int] = []
         self._out: list[Any] = []
         self._out_i = 0
+        self._out_left = 0
         self._timeout = timeout_s
         self.arena: memoryview | None = None  # the daemon's arena, mapped read-only (local path only)
         self.arena_id = ""  # which incarnation of the daemon's arena that is
@@ -103,11 +104,14 @@ class Connection:
         """Queue one request frame for send_some(); returns its request id."""
         self._timeout = timeout_s
         raw = P.encode_meta(meta)
-        total = sum(len(v) for v in payload)
+        parts = [v for v in payload if len(v)]
+        total = sum(map(len, parts))
         req_id = self._next_id
         self._next_id += 1
-        self._out = [P.pack_header(op, 0, req_id, len(raw), total) + raw, *(v for v in payload if len(v))]
+        head = P.pack_header(op, 0, req_id, len(raw), total) + raw
+        self._out = [head, *parts]
         self._out_i = 0
+        self._out_left = len(head) + total  # bytes of the frame not sent yet
         self._pending.append(req_id)
         return req_id
 
@@ -122,6 +126,10 @@ class Connection:
             try:
                 while i < len(out):
                     sent = send(out[i : i + IOV_MAX])
+                    self._out_left -= sent
+                    if not self._out_left:  # the usual case: the rest of the frame left at once
+                        i = len(out)
+                        break
                     while sent:
                         if sent >= len(out[i]):
                             sent -= len(out[i])
