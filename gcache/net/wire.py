@@ -42,11 +42,15 @@ def recv_scatter(sock: Receiver, views: Sequence[memoryview]) -> None:
             recv_exact(sock, v)
         return
     bufs: list[Any] = [v for v in views if len(v)]
+    left = sum(map(len, bufs))
     i = 0
     while i < len(bufs):
         n = recvmsg(bufs[i : i + IOV_MAX])[0]
         if n == 0:
             raise ConnectionResetError("peer closed the connection mid-payload")
+        left -= n
+        if not left:  # all in: no per-buffer bookkeeping
+            return
         i = _advance(bufs, i, n)
 
 
@@ -75,9 +79,14 @@ def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
 def send_all(sock: Sender, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
     """Send every buffer in order with sendmsg (scatter-gather), resuming after partial sends."""
     bufs: list[Any] = [b for b in buffers if len(b)]
+    left = sum(map(len, bufs))
     i = 0
     while i < len(bufs):
-        i = _advance(bufs, i, sock.sendmsg(bufs[i : i + IOV_MAX]))
+        n = sock.sendmsg(bufs[i : i + IOV_MAX])
+        left -= n
+        if not left:  # all out: no per-buffer bookkeeping
+            return
+        i = _advance(bufs, i, n)
 
 
 def tune(sock: socket.socket) -> None:

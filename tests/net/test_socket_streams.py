@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from gcache.net.readahead import ReadAheadStream
@@ -139,3 +140,28 @@ def test_read_ahead_reports_eof_and_keeps_sends_and_idle_checks(pair):
     assert s.recv_into(one) == 1 and one == b"y"
     b.close()
     assert s.recv_into(one) == 0
+
+
+def test_scatter_send_and_receive_of_many_parts_across_partial_transfers(pair):
+    """More parts than IOV_MAX and more bytes than the socket buffers hold: both sides resume
+    mid-part, and every part ends up exactly where it belongs."""
+    a, b = pair
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 4000, 3000).tolist()  # ~6 MB in 3,000 parts
+    data = rng.integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    offs = np.cumsum([0, *sizes]).tolist()
+    out = [memoryview(bytearray(n)) for n in sizes]
+    err = []
+
+    def reader():
+        try:
+            recv_scatter(SocketStream(b), out)
+        except OSError as exc:  # reported below
+            err.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    send_all(SocketStream(a), [memoryview(data)[offs[i]:offs[i + 1]] for i in range(len(sizes))])
+    t.join(30)
+    assert not t.is_alive() and not err
+    assert b"".join(bytes(o) for o in out) == data
