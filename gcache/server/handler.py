@@ -41,8 +41,8 @@ DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
 OK, NOT_FOUND = int(Status.OK), int(Status.NOT_FOUND)
 _MAX_KEY = P.MAX_KEY_BYTES
 _OPS = {int(o): o for o in Op}  # a dict lookup per request, not an Enum call
-JOIN_WAIT_S = 1.0
-PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much  # a request that arrives while the daemon (re)registers waits this long for it
+JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
+PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much
 
 
 def value_meta_list(got: list[Hit | None]) -> list:
@@ -282,28 +282,37 @@ class Handler:
         # Reserved, not received yet: at most a small share of the arena, so a large batch still
         # makes room by evicting its own earlier (committed) values, as one key at a time would.
         chunk_limit = min(PUT_CHUNK_BYTES, self.store.arena.size // 16)
-        chunk: list[tuple[int, Reservation]] = []
-        chunk_bytes = 0
+        chunk: list[tuple[int, Reservation]] = []  # reserved, not yet received and committed
+        refused = self._keys_status(ns, keys)
+        start = 0
+        got: list[Reservation | Status | None] = []  # the run's reservations...
+        k = 0  # ...of which got[k:] are not in chunk yet
         try:
-            for i, (key, size, st) in enumerate(zip(keys, sizes, self._keys_status(ns, keys))):
-                if st is None and log_ is not None and not handover:
-                    log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
-                res = self.store.reserve(size, group) if st is None else st
-                if isinstance(res, Status):
-                    self._land(ns, keys, vmeta, chunk, handover)
-                    chunk, chunk_bytes = [], 0
-                    drain(self.stream, size, self._scratch)
-                    status.append(int(res))
-                    continue
-                chunk.append((i, res))
-                chunk_bytes += size
-                status.append(OK)
-                if chunk_bytes >= chunk_limit:
-                    self._land(ns, keys, vmeta, chunk, handover)
-                    chunk, chunk_bytes = [], 0
-            self._land(ns, keys, vmeta, chunk, handover)
+            while start < len(keys):  # a run of keys reserved at once, received, then committed
+                end, run_bytes = start, 0
+                while end < len(keys) and (end == start or run_bytes + sizes[end] <= chunk_limit):
+                    run_bytes += sizes[end]
+                    end += 1
+                if log_ is not None and not handover:
+                    for key, st in zip(keys[start:end], refused[start:end]):
+                        if st is None:
+                            log_.touch((ns, key))  # before the write lands: no pushed copy may overwrite it
+                got, k = self.store.reserve_many([s if r is None else None for s, r in zip(sizes[start:end],
+                                                                                           refused[start:end])], group), 0
+                while k < len(got):
+                    res, i = got[k], start + k
+                    k += 1
+                    if res is None or isinstance(res, Status):  # refused: its bytes are read and dropped
+                        self._land(ns, keys, vmeta, chunk, handover)
+                        drain(self.stream, sizes[i], self._scratch)
+                        status.append(int(res if res is not None else refused[i]))  # type: ignore[arg-type]
+                    else:
+                        chunk.append((i, res))
+                        status.append(OK)
+                self._land(ns, keys, vmeta, chunk, handover)
+                start = end
         except BaseException:
-            for _i, res in chunk:
+            for res in [r for _i, r in chunk] + [r for r in got[k:] if isinstance(r, Reservation)]:
                 self.store.abort(res)
             raise
         return {"st": status}, payload_len

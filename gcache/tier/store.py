@@ -143,22 +143,39 @@ class Store:
         """A slot for a value of ``size`` bytes, evicting as needed; or TOO_LARGE / FULL.
         ``pool`` = (namespace, pool name) tags the value: only that pool's entries (and untagged
         ones) are evicted to make room, and the pool's budget is enforced."""
-        if size > self.config.max_value_bytes or size > self.ram.alloc.capacity:
-            return Status.TOO_LARGE
-        deadline = time.monotonic() + self.config.full_wait_s
+        res = self.reserve_many([size], pool)[0]
+        assert res is not None
+        return res
+
+    def reserve_many(self, sizes: Sequence[int | None], pool: GroupId | None = None) -> list[Reservation | Status | None]:
+        """reserve() for each size (None: skipped, None back), in order, under one lock; a full
+        arena waits for the demoter at most ``full_wait_s`` for the whole batch."""
+        limit = min(self.config.max_value_bytes, self.ram.alloc.capacity)
+        out: list[Reservation | Status | None] = []
         with self._lock:
             group = self._group(pool) if pool is not None else None
-            if group is not None and group.budget is not None and size > group.budget:
-                return Status.TOO_LARGE
-            while True:
-                off = self._make_room(size, group)
-                if off is not None:
-                    return Reservation(off, size, self.arena.slot(off, size), group)
-                remaining = deadline - time.monotonic()
-                if not self._queue_bytes or remaining <= 0:
-                    self.counters["full"] += 1
-                    return Status.FULL
-                self._lock.wait(remaining)
+            budget = group.budget if group is not None and group.budget is not None else limit
+            deadline = 0.0
+            for size in sizes:
+                if size is None:
+                    out.append(None)
+                    continue
+                if size > limit or size > budget:
+                    out.append(Status.TOO_LARGE)
+                    continue
+                while True:
+                    off = self._make_room(size, group)
+                    if off is not None:
+                        out.append(Reservation(off, size, self.arena.slot(off, size), group))
+                        break
+                    deadline = deadline or time.monotonic() + self.config.full_wait_s
+                    remaining = deadline - time.monotonic()
+                    if not self._queue_bytes or remaining <= 0:
+                        self.counters["full"] += 1
+                        out.append(Status.FULL)
+                        break
+                    self._lock.wait(remaining)
+        return out
 
     def commit(self, key: Key, res: Reservation, meta: ValueMeta = NO_META) -> None:
         """Publish a filled reservation with its value-metadata record. For a pooled reservation

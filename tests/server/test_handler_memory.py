@@ -11,9 +11,11 @@ from gcache.client import Client, ClientConfig, OnNodeError
 from gcache.errors import ConnectionFailed, ServerError
 from gcache.protocol import Op, Status
 from gcache.server.handler import Handler, ServerContext
+from gcache.tier.allocator import aligned
 from gcache.tier.store import Store, StoreConfig
 from gcache.transport import Connection, Transport, open_connection
 from gcache.transport.memory import MemoryStream
+from tests.conftest import read
 from tests.server.memory_daemon import memory_cluster, serve_then_close
 
 MEM = ClientConfig(transport=Transport.MEMORY, token="t0k")
@@ -155,3 +157,57 @@ def test_a_too_small_buffer_mid_reply_keeps_the_other_values_in_place():
         assert res.status == [Status.OK, Status.BUFFER_TOO_SMALL, Status.OK]
         assert res.sizes == [3000, 5000, 7000]
         assert bytes(bufs[0]) == values[0] and bytes(bufs[2]) == values[2] and bytes(bufs[1]) == bytes(100)
+
+
+def _small_value_daemon():
+    """A Handler over a memory pair whose store refuses values over 100,000 bytes (8 MiB arena:
+    a PUT's values are reserved and received in runs of at most 512 KiB)."""
+    store = Store(StoreConfig(mem_bytes=8 << 20, pretouch=False, max_value_bytes=100_000))
+    client_end, server_end = MemoryStream.pair()
+    t = threading.Thread(target=serve_then_close, args=(Handler(server_end, ServerContext(store, "n1", 4 << 20, None)),),
+                         daemon=True)
+    t.start()
+    return client_end, store, t
+
+
+def test_a_put_spanning_several_runs_with_refusals_in_between_stores_the_rest_in_place():
+    stream, store, t = _small_value_daemon()
+    try:
+        conn = Connection("n1", "n1:1", stream, 2.0)
+        deadline = time.monotonic() + 5
+        keys = [b"a", b"big1", b"b", b"", b"big2", b"c", b"d"]
+        sizes = [50_000, 150_000, 60_000, 10_000, 300_000, 70_000, 80_000]
+        values = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+        conn.send(Op.PUT, {"ns": "a", "keys": keys, "sizes": sizes}, [memoryview(v) for v in values], deadline, 2.0)
+        meta, _plen = conn.recv_reply(deadline)
+        ok, big, bad = Status.OK, Status.TOO_LARGE, Status.BAD_KEY
+        assert meta["st"] == [ok, big, ok, bad, big, ok, ok]
+        for key, value, st in zip(keys, values, meta["st"]):
+            if st == ok:
+                assert read(store, ("a", key)) == value
+        assert store.stats()["ram_used"] == sum(aligned(n) for n, st in zip(sizes, meta["st"]) if st == ok)
+        assert conn.call(Op.PING, {}, deadline)["node"] == "n1"  # the refused bytes were drained: in sync
+    finally:
+        stream.close()
+        t.join(5)
+        store.close()
+
+
+@pytest.mark.parametrize(("sizes", "sent", "stored"), [
+    ([90_000] * 10, 700_000, 5),  # gone in the second run: the first one's five values stay
+    ([90_000, 150_000, 90_000, 90_000], 50_000, 0),  # gone while the refusal's predecessor is received
+])
+def test_a_client_gone_mid_put_leaves_no_reservation_behind(sizes, sent, stored):
+    stream, store, t = _small_value_daemon()
+    try:
+        keys = [b"k%d" % i for i in range(len(sizes))]
+        raw = P.encode_meta({"ns": "a", "keys": keys, "sizes": sizes})
+        head = P.pack_header(Op.PUT, 0, 1, len(raw), sum(sizes))
+        stream.sendmsg([head + raw, b"x" * sent])
+        stream.close()
+        t.join(5)
+        assert not t.is_alive()
+        assert sum(store.exists(("a", k)) for k in keys) == stored
+        assert store.stats()["ram_used"] == aligned(90_000) * stored  # nothing reserved is held
+    finally:
+        store.close()
