@@ -157,18 +157,21 @@ class LocalHandler(Handler):
         offs: list[int] = []
         reservations: list[tuple[bytes, Reservation | None]] = []
         log_ = self.agent.touchlog if self.agent is not None else None
-        for key, size, refused in zip(keys, sizes, self._keys_status(ns, keys)):
-            if refused is None and log_ is not None:
-                log_.touch((ns, key))  # before the write lands (gcache.server.touchlog)
-            res = self.store.reserve(size, group) if refused is None else refused
-            if isinstance(res, Status):
-                status.append(int(res))
-                offs.append(-1)
-                reservations.append((key, None))
-            else:
+        refused = self._keys_status(ns, keys)
+        if log_ is not None:
+            for key, r in zip(keys, refused):
+                if r is None:
+                    log_.touch((ns, key))  # before the write lands (gcache.server.touchlog)
+        got = self.store.reserve_many([s if r is None else None for s, r in zip(sizes, refused)], group)
+        for key, res, r in zip(keys, got, refused):
+            if isinstance(res, Reservation):
                 status.append(int(Status.OK))
                 offs.append(res.off)
                 reservations.append((key, res))
+            else:
+                status.append(int(res if res is not None else r))  # type: ignore[arg-type]
+                offs.append(-1)
+                reservations.append((key, None))
         lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta))
         self.reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
 
