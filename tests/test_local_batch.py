@@ -1,0 +1,173 @@
+"""Batches over the local shared-memory path when one owner stalls, dies, or races another
+client: the batch's arena copies run once every owner has answered (gcache.client.fanout
+_finish_local), so these check that an owner that answered in time keeps its keys, no value is
+ever returned torn, stale or another key's, and no slot stays pinned or reserved."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gcache import Client, LocalPath, OnNodeError, Status
+from gcache.client import fanout
+from tests.conftest import poll, sigstop
+
+KiB = 1 << 10
+
+
+def ram_used(addr):
+    """The daemon's ram_used, asked over TCP by a client that knows only this daemon (so a
+    stopped one elsewhere cannot hold the question up)."""
+    with Client([addr], local=LocalPath.OFF, timeout_s=5.0, connect_timeout_s=5.0) as cl:
+        return cl.stats()[addr]["ram_used"]
+
+
+def keys_of(cl, addr, n, prefix):
+    """``n`` keys that ``addr`` owns on ``cl``'s ring."""
+    out, i = [], 0
+    while len(out) < n:
+        k = f"{prefix}{i}"
+        if cl.owners([k])[0] == addr:
+            out.append(k)
+        i += 1
+    return out
+
+
+def local_client(c, **kw):
+    kw.setdefault("local_min_bytes", 0)
+    kw.setdefault("connect_timeout_s", 5.0)  # a loaded machine accepts slowly
+    return Client(c.addresses, local=LocalPath.FORCE, **kw)
+
+
+def warm(cl, keys):
+    """Put and read ``keys`` once so ``cl`` holds an idle connection (its arena mapped read-only
+    and writable) to each owner: a stopped daemon then stalls the batch rather than its connect."""
+    assert cl.put(keys, [b"w" * (64 * KiB)] * len(keys)) == [Status.OK] * len(keys)
+    assert all(v is not None for v in cl.get(keys))
+    assert cl.delete(keys) == [True] * len(keys)
+
+
+@pytest.fixture
+def two_with_short_leases(make_cluster):
+    """Two daemons whose leases (0.3 s) are shorter than the clients' batch timeouts below."""
+    return make_cluster(nodes=2, mem="16MiB", extra_args=["--lease", "0.3"])
+
+
+def test_a_stalled_owner_does_not_turn_another_owners_gets_into_misses(two_with_short_leases):
+    """Owner B is stopped; owner A answered its LGET at once. A's keys must come back as hits,
+    byte-exact: a stalled node costs only its own keys. (Since 714dc6c A's copy waits for the
+    batch deadline, after A's lease ran out, and A's keys come back as misses.)"""
+    c = two_with_short_leases
+    a, b = c.addresses
+    with local_client(c, timeout_s=1.5, on_node_error=OnNodeError.MISS) as cl:
+        ka, kb = keys_of(cl, a, 4, "a"), keys_of(cl, b, 4, "b")
+        warm(cl, ka + kb)
+        vals = [os.urandom(256 * KiB) for _ in ka + kb]
+        assert cl.put(ka + kb, vals) == [Status.OK] * 8
+        settled = ram_used(a)
+        sigstop(c.daemons[1].pid)
+        try:
+            out = [np.zeros(256 * KiB, np.uint8) for _ in vals]
+            t0 = time.monotonic()
+            res = cl.get_into(ka + kb, out)
+            assert time.monotonic() - t0 < 1.5 + 1.0
+            assert res.status[4:] == [Status.UNAVAILABLE] * 4
+            assert res.status[:4] == [Status.OK] * 4, res.status
+            assert all(o.tobytes() == v for o, v in zip(out[:4], vals[:4]))
+        finally:
+            os.kill(c.daemons[1].pid, signal.SIGCONT)
+        assert poll(lambda: ram_used(a) == settled, 5)
+        assert [bytes(v) for v in cl.get(ka + kb)] == vals
+
+
+def test_a_stalled_owner_never_makes_a_put_write_into_another_keys_slot(two_with_short_leases):
+    """Owner B is stopped during a put to A and B. A reserved slots (LALLOC) at once, under a
+    0.3 s lease; when the lease ran out its reaper gave the slots back, and another client's
+    values of the same size were stored in them. The stalled put must not then copy its values
+    into those slots: the other client's keys must read back as what it wrote."""
+    c = two_with_short_leases
+    a, b = c.addresses
+    size = 256 * KiB
+    with local_client(c, timeout_s=6.0, on_node_error=OnNodeError.MISS) as cl, \
+            Client([a], local=LocalPath.OFF, timeout_s=5.0) as other:
+        ka, kb = keys_of(cl, a, 4, "a"), keys_of(cl, b, 4, "b")
+        kw = keys_of(cl, a, 4, "other")
+        warm(cl, ka + kb + kw)
+        settled = ram_used(a)
+        mine = [b"P" * size for _ in ka + kb]
+        theirs = [bytes([0x30 + i]) * size for i in range(4)]
+        result: list = []
+        sigstop(c.daemons[1].pid)
+        try:
+            t = threading.Thread(target=lambda: result.append(cl.put(ka + kb, mine)))
+            t0 = time.monotonic()
+            t.start()
+            assert poll(lambda: ram_used(a) >= settled + 4 * size, 5), "A never reserved the put's slots"
+            # a put that copies and commits on A's reply holds the slots; one that waits for B lets
+            # A's lease run out (0.3 s) and the reaper give them back: then they are reused here
+            poll(lambda: ram_used(a) == settled, 1.5)
+            assert other.put(kw, theirs) == [Status.OK] * 4
+            assert time.monotonic() - t0 < 5.0, "too slow to test: the stalled put's deadline may have passed"
+            t.join(15)
+            assert not t.is_alive()
+        finally:
+            os.kill(c.daemons[1].pid, signal.SIGCONT)
+        got = other.get(kw)
+        assert [bytes(g) if g is not None else None for g in got] == theirs, \
+            "another key's value was overwritten by the stalled put"
+        assert result[0][4:] == [Status.UNAVAILABLE] * 4
+        assert result[0][:4] == [Status.OK] * 4, "A answered in time: its keys should be stored"
+        assert [bytes(g) for g in other.get(ka)] == mine[:4]
+        stored = 4 + result[0][:4].count(Status.OK)
+        assert poll(lambda: ram_used(a) == settled + stored * size, 5)  # nothing reserved or pinned
+
+
+def test_an_owner_killed_between_lalloc_and_lcommit_costs_only_its_own_keys(make_cluster, monkeypatch):
+    """A put over three local owners; B is killed after every owner reserved its slots
+    (LALLOC answered) and before the copies and LCOMMITs. A's and C's keys are stored byte-exact,
+    B's are UNAVAILABLE, and A and C hold exactly the committed values: no slot stays reserved."""
+    c = make_cluster(nodes=3, mem="16MiB")
+    a, b, cc = c.addresses
+    size = 200 * KiB
+    real_copy = fanout.copy_all
+    with local_client(c, timeout_s=5.0, on_node_error=OnNodeError.MISS) as cl:
+        ka, kb, kc = keys_of(cl, a, 3, "a"), keys_of(cl, b, 3, "b"), keys_of(cl, cc, 3, "c")
+        keys = ka + kb + kc
+        warm(cl, keys)
+        settled = {n: ram_used(n) for n in (a, cc)}
+        vals = [os.urandom(size) for _ in keys]
+
+        def kill_then_copy(pairs):
+            assert poll(lambda: ram_used(a) == settled[a] + 3 * size, 5)  # reserved, not yet committed
+            c.kill(1)
+            real_copy(pairs)
+
+        monkeypatch.setattr(fanout, "copy_all", kill_then_copy)
+        st = cl.put(keys, vals)
+        monkeypatch.setattr(fanout, "copy_all", real_copy)
+        assert st == [Status.OK] * 3 + [Status.UNAVAILABLE] * 3 + [Status.OK] * 3
+        got = cl.get(keys)
+        assert [bytes(g) for g in got[:3] + got[6:]] == vals[:3] + vals[6:]
+        assert got[3:6] == [None] * 3
+        assert {n: ram_used(n) for n in (a, cc)} == {n: settled[n] + 3 * size for n in (a, cc)}
+        assert cl.delete(ka + kc) == [True] * 6
+        assert {n: ram_used(n) for n in (a, cc)} == settled
+
+
+@pytest.mark.parametrize("local_min_bytes", [0, 1 << 30])  # every request leased / every one inline
+def test_a_scatter_destination_with_an_empty_part_is_filled_whole(make_cluster, local_min_bytes):
+    """A value read into [100 B, 0 B, 100 B] fills both non-empty parts on every path (TCP fills
+    views past an empty one; the arena copy must too, or the tail keeps stale bytes under OK)."""
+    c = make_cluster(nodes=1, mem="16MiB")
+    val = os.urandom(150)
+    with local_client(c, local_min_bytes=local_min_bytes) as cl, \
+            Client(c.addresses, local=LocalPath.OFF) as tcp:
+        assert cl.put(["k"], [val]) == [Status.OK]
+        for client in (cl, tcp):
+            a, empty, b = bytearray(100), bytearray(0), bytearray(b"\xee" * 100)
+            res = client.get_into(["k"], [[a, empty, b]])
+            assert res.status == [Status.OK] and res.sizes == [150]
+            assert bytes(a) + bytes(b[:50]) == val and bytes(b[50:]) == b"\xee" * 50
