@@ -171,3 +171,77 @@ def test_a_scatter_destination_with_an_empty_part_is_filled_whole(make_cluster, 
             res = client.get_into(["k"], [[a, empty, b]])
             assert res.status == [Status.OK] and res.sizes == [150]
             assert bytes(a) + bytes(b[:50]) == val and bytes(b[50:]) == b"\xee" * 50
+
+
+def random_dest(rng, size):
+    """A destination for a value of ``size`` bytes and what fits: exact, with slack, too small
+    (when size > 0), or a scatter list of 1..3 parts (some may be empty)."""
+    kind = int(rng.integers(0, 4)) if size else int(rng.integers(0, 2))
+    if kind == 0:
+        return bytearray(b"\xee" * size)
+    if kind == 1:
+        return bytearray(b"\xee" * (size + int(rng.integers(1, 100))))
+    if kind == 2:
+        return bytearray(b"\xee" * int(rng.integers(0, size)))
+    cuts = sorted(int(x) for x in rng.integers(0, size + 1, int(rng.integers(0, 3))))
+    bounds = [0, *cuts, size + int(rng.integers(0, 2)) * 7]
+    return [bytearray(b"\xee" * (hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def check_get(keys, dests, res, truth):
+    for k, d, st, sz in zip(keys, dests, res.status, res.sizes):
+        v = truth.get(k)
+        cap = sum(map(len, d)) if isinstance(d, list) else len(d)
+        if v is None:
+            assert st is Status.NOT_FOUND, (k, st)
+            continue
+        assert sz == len(v), (k, sz, len(v))
+        if cap < len(v):
+            assert st is Status.BUFFER_TOO_SMALL, (k, st)
+            continue
+        assert st is Status.OK, (k, st)
+        flat = b"".join(map(bytes, d)) if isinstance(d, list) else bytes(d)
+        assert flat[:len(v)] == v and flat[len(v):] == b"\xee" * (cap - len(v)), k
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_mixing_inline_and_leased_requests_is_byte_exact(make_cluster, monkeypatch, seed):
+    """Random batches over two local owners, split into small requests (some carried inline over
+    the Unix socket, some copied through the arena, by their bytes), with misses, empty values,
+    exact, roomy, too small and scatter destinations (some parts empty), and a key asked twice:
+    every status and size is what TCP answers, and every hit is byte-exact, slack untouched."""
+    c = make_cluster(nodes=2, mem="32MiB")
+    rng = np.random.default_rng(seed)
+    sizes = [0, 1, 100, 4 * KiB, 70 * KiB, 300 * KiB]
+    truth = {f"k{i}": os.urandom(sizes[int(rng.integers(len(sizes)))]) for i in range(48)}
+    keys = [*truth, *(f"absent{i}" for i in range(8))]
+    real_copy, copied = fanout.copy_all, [0]
+
+    def counting_copy(pairs):
+        copied[0] += len(pairs)
+        real_copy(pairs)
+
+    monkeypatch.setattr(fanout, "copy_all", counting_copy)
+    with local_client(c, local_min_bytes=64 * KiB, split_keys=3) as cl, \
+            Client(c.addresses, local=LocalPath.OFF) as tcp:
+        assert len(set(cl.owners(keys))) == 2
+        base = {a: ram_used(a) for a in c.addresses}
+        stored = list(truth)
+        st = cl.put(stored, [truth[k] for k in stored])
+        assert st == [Status.OK] * len(stored)
+        settled = {a: ram_used(a) for a in c.addresses}
+        for _round in range(4):
+            batch = [keys[int(i)] for i in rng.permutation(len(keys))[:24]]
+            batch.append(batch[0])  # the same key twice in one batch
+            dests = [random_dest(rng, len(truth.get(k, b"")) or int(rng.integers(1, 1000))) for k in batch]
+            res = cl.get_into(batch, dests)
+            check_get(batch, dests, res, truth)
+            dests2 = [[bytearray(len(p)) for p in d] if isinstance(d, list) else bytearray(len(d)) for d in dests]
+            res2 = tcp.get_into(batch, dests2)
+            assert res.status == res2.status and res.sizes == res2.sizes
+            got = cl.get(batch)
+            assert [None if g is None else bytes(g) for g in got] == [truth.get(k) for k in batch]
+        assert copied[0] > 0  # some requests went through the arena
+        assert {a: ram_used(a) for a in c.addresses} == settled
+        assert cl.delete(stored) == [True] * len(stored)
+        assert poll(lambda: {a: ram_used(a) for a in c.addresses} == base, 5)  # nothing left pinned
