@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from gcache import Client, LocalPath, OnNodeError, Status
 from gcache.client import fanout
@@ -245,3 +246,91 @@ def test_a_batch_mixing_inline_and_leased_requests_is_byte_exact(make_cluster, m
         assert {a: ram_used(a) for a in c.addresses} == settled
         assert cl.delete(stored) == [True] * len(stored)
         assert poll(lambda: {a: ram_used(a) for a in c.addresses} == base, 5)  # nothing left pinned
+
+
+def stamped(key, version, size):
+    """A value that says which key and version it is, with a hash of all of it."""
+    body = os.urandom(size)
+    head = xxhash.xxh3_64_digest(key.encode()) + version.to_bytes(8, "little")
+    return head + xxhash.xxh3_64_digest(head + body) + body
+
+
+def unstamp(value):
+    """(key hash, version) of a stamped value, or None if it is torn."""
+    head, digest, body = value[:16], value[16:24], value[24:]
+    if xxhash.xxh3_64_digest(head + body) != digest:
+        return None
+    return head[:8], int.from_bytes(head[8:], "little")
+
+
+def test_gets_racing_overwrites_and_deletes_return_only_values_written_for_that_key(make_cluster):
+    """Readers over the local path race a writer that overwrites keys (small arenas: slots are
+    evicted and reused) and deletes others for good. Every hit is a whole value written for that
+    very key, and a key whose delete was acknowledged before a get started never comes back."""
+    c = make_cluster(nodes=2, mem="4MiB", extra_args=["--lease", "0.5"])
+    live = [f"live{i}" for i in range(24)]
+    size = 96 * KiB
+    written: dict[str, set[int]] = {k: set() for k in live}
+    deleted_at: dict[str, float] = {}  # retired key -> when its delete was acknowledged
+    stop = threading.Event()
+    bad: list = []
+    counts = {"hits": 0, "writes": 0, "retired": 0}
+
+    def writer():
+        rng = np.random.default_rng(1)
+        version = 0
+        with local_client(c, timeout_s=5.0) as cl:
+            while not stop.is_set():
+                version += 1
+                if version % 8 == 0:  # a key written twice, then deleted for good
+                    k = f"gone{version}"
+                    written[k] = {version, version + 1}
+                    cl.put([k], [stamped(k, version, size)])
+                    cl.put([k], [stamped(k, version + 1, size)])
+                    assert cl.delete([k]) in ([True], [False])  # False: already evicted
+                    deleted_at[k] = time.monotonic()
+                    counts["retired"] += 1
+                    continue
+                ks = [live[int(i)] for i in rng.choice(len(live), 3, replace=False)]
+                for k in ks:
+                    written[k].add(version)
+                cl.put(ks, [stamped(k, version, size + int(rng.integers(0, 3)) * 8 * KiB) for k in ks])
+                counts["writes"] += 3
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        out = [bytearray(size + 24 * KiB) for _ in range(6)]
+        with local_client(c, timeout_s=5.0) as cl:
+            while not stop.is_set():
+                gone = [k for k in list(deleted_at) if rng.random() < 0.3][:2]
+                ks = [live[int(i)] for i in rng.choice(len(live), 6 - len(gone), replace=False)] + gone
+                started = time.monotonic()
+                res = cl.get_into(ks, out)
+                for k, st, sz, o in zip(ks, res.status, res.sizes, out):
+                    if st is not Status.OK:
+                        continue
+                    counts["hits"] += 1
+                    got = unstamp(bytes(o[:sz]))
+                    if got is None:
+                        bad.append((k, "torn"))
+                    elif got[0] != xxhash.xxh3_64_digest(k.encode()):
+                        bad.append((k, "another key's value"))
+                    elif got[1] not in written[k]:
+                        bad.append((k, f"version {got[1]} never written"))
+                    elif k in deleted_at and deleted_at[k] < started:
+                        bad.append((k, "came back after its delete"))
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in (2, 3)]
+    for t in threads:
+        t.start()
+    try:
+        poll(lambda: bad or (counts["hits"] > 300 and counts["writes"] > 300 and counts["retired"] > 20), 12)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    assert not bad, bad[:5]
+    assert counts["hits"] > 300 and counts["writes"] > 300 and counts["retired"] > 20, counts
+    with local_client(c) as cl:
+        assert not any(cl.exists(list(deleted_at)))
