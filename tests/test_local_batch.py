@@ -334,3 +334,43 @@ def test_gets_racing_overwrites_and_deletes_return_only_values_written_for_that_
     assert counts["hits"] > 300 and counts["writes"] > 300 and counts["retired"] > 20, counts
     with local_client(c) as cl:
         assert not any(cl.exists(list(deleted_at)))
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_exists_and_delete_of_thousands_of_keys_in_one_call(make_cluster, nodes):
+    """EXISTS and DELETE go one request per owner up to 4096 keys (PROBE_SPLIT_KEYS). A call
+    of 5000 keys (some of the longest allowed, 1024 B) with empty and over-long ones mixed in:
+    each key answered for itself, the wrong ones BAD_KEY, exactly the stored ones deleted."""
+    c = make_cluster(nodes=nodes, mem="64MiB")
+    keys = [f"k{i}".encode() if i % 5 else f"k{i}".encode().ljust(1024, b"L") for i in range(5000)]
+    stored = set(keys[::3])
+    wrong = {7: b"", 2500: b"x" * 1025, 4999: b"y" * 4000}
+    batch = list(keys)
+    for i, k in wrong.items():
+        batch[i] = k
+    with Client(c.addresses, timeout_s=10.0) as cl:
+        put = [k for k in stored if k not in wrong.values()]
+        for i in range(0, len(put), 500):
+            assert cl.put(put[i:i + 500], [b"v"] * len(put[i:i + 500])) == [Status.OK] * len(put[i:i + 500])
+        want = [k in stored and i not in wrong for i, k in enumerate(batch)]
+        assert cl.exists(batch) == want
+        st = cl.delete_status(batch)
+        assert [i for i, s in enumerate(st) if s is Status.BAD_KEY] == sorted(wrong)
+        assert [s is Status.OK for s in st] == want
+        assert not any(cl.exists(batch))
+        assert sum(s["ram_keys"] for s in cl.stats().values()) == 0
+
+
+def test_a_key_too_long_to_decode_costs_only_itself(make_cluster):
+    """A key over the metadata's string limit (64 KiB) in a call of 3000 keys: the daemon cannot
+    decode the request and refuses all of it. Since keys-only requests are no longer split at 64
+    keys, every other key of that owner (up to 4096) goes UNAVAILABLE with it; it should be
+    BAD_KEY alone (the client can tell: gcache.protocol.key_error)."""
+    c = make_cluster(nodes=1, mem="16MiB")
+    keys = [f"k{i}".encode() for i in range(3000)]
+    with Client(c.addresses, on_node_error=OnNodeError.MISS) as cl:
+        assert cl.put(keys[:100], [b"v"] * 100) == [Status.OK] * 100
+        st = cl.delete_status([*keys[:1500], b"z" * 70_000, *keys[1500:]])
+        assert st[1500] is Status.BAD_KEY
+        assert st[:100] == [Status.OK] * 100 and st[100:1500] == [Status.NOT_FOUND] * 1400
+        assert st[1501:] == [Status.NOT_FOUND] * 1500
