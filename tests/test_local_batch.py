@@ -374,3 +374,39 @@ def test_a_key_too_long_to_decode_costs_only_itself(make_cluster):
         assert st[1500] is Status.BAD_KEY
         assert st[:100] == [Status.OK] * 100 and st[100:1500] == [Status.NOT_FOUND] * 1400
         assert st[1501:] == [Status.NOT_FOUND] * 1500
+
+
+def test_a_stopped_owner_costs_only_its_keys_and_leaks_nothing_after_it_resumes(make_cluster):
+    """Three local owners, leases (5 s) longer than the batch timeout (1 s); B is stopped while
+    gets and puts run: A's and C's keys are read and written byte-exact within the timeout, B's
+    are UNAVAILABLE; once B resumes, every daemon's ram_used settles where the values say."""
+    c = make_cluster(nodes=3, mem="32MiB")
+    a, b, cc = c.addresses
+    size = 300 * KiB
+    # the put reconnects to B (the get's timeout closed that connection): connect_timeout_s
+    # bounds that connect, so it is kept under the batch timeout here
+    with local_client(c, timeout_s=1.0, connect_timeout_s=0.75, on_node_error=OnNodeError.MISS) as cl:
+        ka, kb, kc = keys_of(cl, a, 4, "a"), keys_of(cl, b, 4, "b"), keys_of(cl, cc, 4, "c")
+        keys = ka + kb + kc
+        warm(cl, keys)
+        old = [os.urandom(size) for _ in keys]
+        assert cl.put(keys, old) == [Status.OK] * 12
+        settled = {n: ram_used(n) for n in c.addresses}
+        new = [os.urandom(size) for _ in keys]
+        sigstop(c.daemons[1].pid)
+        try:
+            t0 = time.monotonic()
+            out = [np.zeros(size, np.uint8) for _ in keys]
+            res = cl.get_into(keys, out)
+            t1 = time.monotonic()
+            st = cl.put(keys, new)
+            t2 = time.monotonic()
+        finally:
+            os.kill(c.daemons[1].pid, signal.SIGCONT)
+        assert t1 - t0 < 1.0 + 0.75 and t2 - t1 < 1.0 + 0.75, (t1 - t0, t2 - t1)  # slack for a loaded machine
+        assert res.status == [Status.OK] * 4 + [Status.UNAVAILABLE] * 4 + [Status.OK] * 4
+        assert [o.tobytes() for o in out[:4] + out[8:]] == old[:4] + old[8:]
+        assert st == [Status.OK] * 4 + [Status.UNAVAILABLE] * 4 + [Status.OK] * 4
+        assert poll(lambda: {n: ram_used(n) for n in c.addresses} == settled, 10)  # B's pins and slots released
+        got = cl.get(keys)
+        assert [bytes(g) for g in got] == new[:4] + old[4:8] + new[8:]
