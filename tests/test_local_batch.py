@@ -3,6 +3,7 @@ client: the batch's arena copies run once every owner has answered (gcache.clien
 _finish_local), so these check that an owner that answered in time keeps its keys, no value is
 ever returned torn, stale or another key's, and no slot stays pinned or reserved."""
 
+import itertools
 import os
 import signal
 import threading
@@ -186,7 +187,7 @@ def random_dest(rng, size):
         return bytearray(b"\xee" * int(rng.integers(0, size)))
     cuts = sorted(int(x) for x in rng.integers(0, size + 1, int(rng.integers(0, 3))))
     bounds = [0, *cuts, size + int(rng.integers(0, 2)) * 7]
-    return [bytearray(b"\xee" * (hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+    return [bytearray(b"\xee" * (hi - lo)) for lo, hi in itertools.pairwise(bounds)]
 
 
 def check_get(keys, dests, res, truth):
@@ -410,3 +411,48 @@ def test_a_stopped_owner_costs_only_its_keys_and_leaks_nothing_after_it_resumes(
         assert poll(lambda: {n: ram_used(n) for n in c.addresses} == settled, 10)  # B's pins and slots released
         got = cl.get(keys)
         assert [bytes(g) for g in got] == new[:4] + old[4:8] + new[8:]
+
+
+def test_one_lget_answering_both_arena_offsets_and_inline_values_fills_every_destination(make_cluster):
+    """RAM full of pinned values, the rest on NVMe: one LGET answers arena offsets for the
+    pinned keys and sends the others inline (no room to promote them). The inline ones are
+    read as the reply comes, the arena ones copied with the batch; exact, too small and scatter
+    destinations (with an empty part) get exactly their bytes on both, and nothing stays pinned."""
+    from gcache import protocol as P
+    from gcache.transport import open_connection
+
+    c = make_cluster(nodes=1, mem="2MiB", disk="64MiB")
+    addr = c.addresses[0]
+    keys = [f"k{i}" for i in range(24)]
+    vals = {k: os.urandom(256 * KiB) for k in keys}  # 6 MiB over 2 MiB of RAM
+    with local_client(c, on_node_error=OnNodeError.MISS) as cl:
+        for k in keys:
+            assert cl.put([k], [vals[k]]) == [Status.OK]
+        assert poll(lambda: cl.stats()[addr]["demote_queue_bytes"] == 0, 10)
+        pin = open_connection("pin", addr, 5.0, None, local=True)
+        dl = time.monotonic() + 5
+        pin.send(P.Op.LGET, {"ns": "default", "keys": [k.encode() for k in keys]}, [], dl, 5.0)
+        reply, plen = pin.recv_reply(dl)
+        pin.discard(plen, dl)
+        in_ram = [k for k, off in zip(keys, reply["off"]) if off >= 0]
+        on_disk = [k for k, off in zip(keys, reply["off"]) if off < 0]
+        assert len(in_ram) >= 4 and len(on_disk) >= 4, reply["off"]
+        batch = [in_ram[0], on_disk[0], in_ram[1], on_disk[1], in_ram[2], on_disk[2], on_disk[3], in_ram[3]]
+        size = 256 * KiB
+        dests = [bytearray(size), bytearray(size + 5), bytearray(100), bytearray(10),
+                 [bytearray(1000), bytearray(0), bytearray(size)], [bytearray(0), bytearray(size - 1), bytearray(1)],
+                 bytearray(size), [bytearray(size // 2), bytearray(size // 2)]]
+        res = cl.get_into(batch, dests)
+        assert res.status == [Status.OK, Status.OK, Status.BUFFER_TOO_SMALL, Status.BUFFER_TOO_SMALL,
+                              Status.OK, Status.OK, Status.OK, Status.OK], res.status
+        assert res.sizes == [size] * 8
+        for k, d, st in zip(batch, dests, res.status):
+            if st is Status.OK:
+                flat = b"".join(map(bytes, d)) if isinstance(d, list) else bytes(d)
+                assert flat[:size] == vals[k] and flat[size:] == bytes(len(flat) - size), k
+        assert [bytes(g) for g in cl.get(batch)] == [vals[k] for k in batch]  # the connection stayed in sync
+        done = pin.call(P.Op.LDONE, {"ls": [reply["ls"]]}, time.monotonic() + 5)
+        assert done["ok"] == [True]
+        pin.close()
+        assert cl.delete(keys) == [True] * len(keys)
+        assert poll(lambda: cl.stats()[addr]["ram_used"] == 0, 5)  # no pin left behind
