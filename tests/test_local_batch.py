@@ -456,3 +456,58 @@ def test_one_lget_answering_both_arena_offsets_and_inline_values_fills_every_des
         pin.close()
         assert cl.delete(keys) == [True] * len(keys)
         assert poll(lambda: cl.stats()[addr]["ram_used"] == 0, 5)  # no pin left behind
+
+
+def test_one_client_shared_by_threads_moving_large_batches_stays_byte_exact(make_cluster):
+    """One client used by three reader threads and a writer at once, batches of 8 MiB and 4 MiB
+    (their copies split over the process's one copy helper thread, which every caller shares):
+    every hit is a whole value written for that key."""
+    c = make_cluster(nodes=2, mem="64MiB")
+    keys = [f"big{i}" for i in range(16)]
+    size = 1 << 20
+    written: dict[str, set[int]] = {k: {0} for k in keys}
+    stop = threading.Event()
+    bad: list = []
+    counts = {"hits": 0, "writes": 0}
+    with local_client(c, timeout_s=10.0) as cl:
+        assert cl.put(keys, [stamped(k, 0, size) for k in keys]) == [Status.OK] * 16
+
+        def writer():
+            rng = np.random.default_rng(5)
+            version = 0
+            while not stop.is_set():
+                version += 1
+                ks = [keys[int(i)] for i in rng.choice(len(keys), 4, replace=False)]
+                for k in ks:
+                    written[k].add(version)
+                if cl.put(ks, [stamped(k, version, size) for k in ks]) != [Status.OK] * 4:
+                    bad.append(("put", version))
+                counts["writes"] += 4
+
+        def reader(seed):
+            rng = np.random.default_rng(seed)
+            out = [np.empty(size + 24, np.uint8) for _ in range(8)]
+            while not stop.is_set():
+                ks = [keys[int(i)] for i in rng.choice(len(keys), 8, replace=False)]
+                res = cl.get_into(ks, out)
+                for k, st, sz, o in zip(ks, res.status, res.sizes, out):
+                    if st is not Status.OK:
+                        bad.append((k, st))  # nothing is evicted or deleted here: every get hits
+                        continue
+                    counts["hits"] += 1
+                    got = unstamp(o[:sz].tobytes())
+                    if got is None or got[0] != xxhash.xxh3_64_digest(k.encode()) or got[1] not in written[k]:
+                        bad.append((k, got))
+
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            poll(lambda: bad or (counts["hits"] > 200 and counts["writes"] > 60), 12)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert not bad, bad[:5]
+        assert counts["hits"] > 200 and counts["writes"] > 60, counts
