@@ -511,3 +511,35 @@ def test_one_client_shared_by_threads_moving_large_batches_stays_byte_exact(make
         assert not any(t.is_alive() for t in threads)
         assert not bad, bad[:5]
         assert counts["hits"] > 200 and counts["writes"] > 60, counts
+
+
+def test_an_owner_killed_between_lget_and_ldone_costs_at_most_its_own_keys(make_cluster, monkeypatch):
+    """A get over three local owners; B is killed after every LGET was answered, before the
+    copies and LDONEs. A's and C's keys are hits, byte-exact, and released (deleting them brings
+    ram_used back to where it was); B's are UNAVAILABLE or, if reported, byte-exact."""
+    c = make_cluster(nodes=3, mem="16MiB")
+    a, b, cc = c.addresses
+    size = 200 * KiB
+    real_copy = fanout.copy_all
+    with local_client(c, timeout_s=5.0, on_node_error=OnNodeError.MISS) as cl:
+        ka, kb, kc = keys_of(cl, a, 3, "a"), keys_of(cl, b, 3, "b"), keys_of(cl, cc, 3, "c")
+        keys = ka + kb + kc
+        warm(cl, keys)
+        base = {n: ram_used(n) for n in (a, cc)}
+        vals = [os.urandom(size) for _ in keys]
+        assert cl.put(keys, vals) == [Status.OK] * 9
+
+        def kill_then_copy(pairs):
+            c.kill(1)
+            real_copy(pairs)
+
+        monkeypatch.setattr(fanout, "copy_all", kill_then_copy)
+        out = [np.zeros(size, np.uint8) for _ in keys]
+        res = cl.get_into(keys, out)
+        monkeypatch.setattr(fanout, "copy_all", real_copy)
+        assert res.status[:3] + res.status[6:] == [Status.OK] * 6
+        assert [o.tobytes() for o in out[:3] + out[6:]] == vals[:3] + vals[6:]
+        for st, o, v in zip(res.status[3:6], out[3:6], vals[3:6]):
+            assert st is Status.UNAVAILABLE or (st is Status.OK and o.tobytes() == v)
+        assert cl.delete(ka + kc) == [True] * 6
+        assert poll(lambda: {n: ram_used(n) for n in (a, cc)} == base, 5)  # no pin left on A or C
