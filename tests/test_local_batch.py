@@ -173,6 +173,9 @@ def test_a_scatter_destination_with_an_empty_part_is_filled_whole(make_cluster, 
             res = client.get_into(["k"], [[a, empty, b]])
             assert res.status == [Status.OK] and res.sizes == [150]
             assert bytes(a) + bytes(b[:50]) == val and bytes(b[50:]) == b"\xee" * 50
+        # and a value written from parts, some empty
+        assert cl.put(["p"], [[b"", b"abc", bytearray(0), memoryview(b"de"), b""]]) == [Status.OK]
+        assert tcp.get_one("p") == b"abcde" and cl.get_one("p") == b"abcde"
 
 
 def random_dest(rng, size):
