@@ -176,9 +176,10 @@ def copy_pairs(src: memoryview, dest: Dest) -> list[tuple[memoryview, memoryview
         return [(dest[: len(src)], src)]
     out, pos = [], 0
     for part in dest:
-        n = min(len(part), len(src) - pos)
-        if n <= 0:
+        if pos >= len(src):
             break
-        out.append((part[:n], src[pos:pos + n]))
-        pos += n
+        n = min(len(part), len(src) - pos)
+        if n:  # an empty part takes nothing; the parts after it take the rest
+            out.append((part[:n], src[pos:pos + n]))
+            pos += n
     return out

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gcache.client import localpath
-from gcache.client.localpath import copy_all, halves
+from gcache.client.localpath import copy_all, copy_pairs, halves
 
 
 def views(sizes, fill=None, seed=0):
@@ -34,3 +34,13 @@ def test_copy_all_over_two_threads_is_byte_exact(monkeypatch):
     one_src, one_dst = views([1 << 20], seed=2), views([1 << 20], fill=0)  # one value, cut in two
     copy_all([(one_dst[0], one_src[0])])
     assert bytes(one_dst[0]) == bytes(one_src[0])
+
+
+def test_copy_pairs_skip_empty_parts_and_fill_the_rest():
+    """An empty part of a scatter destination takes nothing; the parts after it take the rest."""
+    src = memoryview(bytes(range(150)))
+    a, empty, b = bytearray(100), bytearray(0), bytearray(100)
+    pairs = copy_pairs(src, [memoryview(a), memoryview(empty), memoryview(b)])
+    assert [len(d) for d, _s in pairs] == [100, 50]
+    copy_all(pairs)
+    assert bytes(a) + bytes(b[:50]) == bytes(src) and bytes(b[50:]) == bytes(50)
