@@ -25,7 +25,7 @@ from gcache.client.pool import Pool
 from gcache.client.routing import RoutingView
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ServerError
 from gcache.meta.ring import HashRing
-from gcache.protocol import Op, Status
+from gcache.protocol import MAX_KEY_BYTES, Op, Status
 from gcache.transport import Connection
 
 Job = tuple[list[int], Connection]
@@ -33,6 +33,7 @@ Job = tuple[list[int], Connection]
 # keys: the daemon answers them under one lock, and a second request only costs syscalls on
 # both sides (exists of 128 keys on one daemon: 294k keys/s split at 64, 366k unsplit).
 PROBE_SPLIT_KEYS = 4096
+LOCAL_WAIT_S = 0.01  # local-path copies in hand wait this long for the other owners' replies at most
 FINISH_GRACE_S = 0.2  # a local-path request answered in time is released or committed within this
 
 
@@ -59,8 +60,12 @@ class Fanout:
         final: set[int] = set()  # misses the owner says are final: no fallback (gcache.server.touchlog)
         view = self.view()
         deadline = time.monotonic() + self.timeout_s
-        seen = self._round(op, kbytes, range(len(kbytes)), view.ring, view.addr, view.epoch, False,
-                           failures, deadline, final)
+        which: Sequence[int] = range(len(kbytes))
+        if kbytes and max(map(len, kbytes)) > MAX_KEY_BYTES:  # refused here, not sent: one could
+            which = [i for i, k in enumerate(kbytes) if len(k) <= MAX_KEY_BYTES]  # fail its whole request
+            for i in set(range(len(kbytes))).difference(which):
+                op.status[i] = Status.BAD_KEY
+        seen = self._round(op, kbytes, which, view.ring, view.addr, view.epoch, False, failures, deadline, final)
         if seen > view.epoch and self.may_refresh():
             self.refresh()
         retry = to_retry(op.status)
@@ -81,8 +86,10 @@ class Fanout:
                final: set[int] | None = None) -> int:
         """One parallel round over the owners (by ``ring``) of keys ``which``; returns the newest
         epoch a reply carried. Owners reached over the local path get LGET/LALLOC instead;
-        ``op.finish_local`` says what to copy through the mapped arena, and the batch's copies
-        run together once every owner has answered (``_finish_local``)."""
+        ``op.finish_local`` says what to copy through the mapped arena, and the copies of the
+        replies in hand run together (``_finish_local``) once every owner has answered, or as
+        soon as the wait for the others passes LOCAL_WAIT_S (their leases keep running), and
+        before waiting for owners still connecting."""
         if not which:
             return 0
         is_local = None
@@ -114,7 +121,7 @@ class Fanout:
                 return op.local_op, meta, []  # type: ignore[return-value]
             return op.op, meta, payload
 
-        def receive(idxs: list[int], conn: Connection) -> bool:
+        def receive(idxs: list[int], conn: Connection, defer: bool = True) -> bool:
             meta, plen = conn.recv_reply(deadline)
             ep = meta.get("ep")
             if isinstance(ep, int):
@@ -122,8 +129,12 @@ class Fanout:
             tomb = meta.get("tomb")
             if final is not None and isinstance(tomb, list):
                 final.update(idxs[j] for j in tomb if isinstance(j, int) and 0 <= j < len(idxs))
-            if leased(idxs, conn):  # copied through the mapped arena once every reply is in
-                local.append((idxs, conn, op.finish_local(idxs, meta, conn, self.pool, deadline)))
+            if leased(idxs, conn):  # copied through the mapped arena with the others in hand
+                done = (idxs, conn, op.finish_local(idxs, meta, conn, self.pool, deadline))
+                if defer:
+                    local.append(done)
+                else:
+                    self._finish_local(op, [done], deadline, failures)
                 return True
             op.finish(idxs, meta, plen, conn, deadline)
             self.pool.put(conn)
@@ -135,7 +146,7 @@ class Fanout:
                 conn = self.pool.get(req.node, addr[req.node])
                 req_op, meta, payload = request(req.idxs, conn)
                 conn.send(req_op, meta, payload, deadline, self.timeout_s)
-                receive(req.idxs, conn)
+                receive(req.idxs, conn, defer=False)  # in its own thread: finished there
             except GCacheError as exc:
                 self._failed(op, req.idxs, conn, exc, failures)
 
@@ -169,11 +180,16 @@ class Fanout:
         sent.update(self._poll_loop(op, sending, select.POLLOUT, deadline, failures,
                                     lambda idxs, conn: conn.send_some(deadline)))
         self._read_sync(op, sync_jobs, deadline, failures, receive)
-        self._poll_loop(op, sent, select.POLLIN, deadline, failures, receive)
+
+        def flush() -> None:
+            if local:
+                self._finish_local(op, local, deadline, failures)
+                local.clear()
+
+        self._poll_loop(op, sent, select.POLLIN, deadline, failures, receive, flush)
+        flush()
         for t in threads:
             t.join()
-        if local:
-            self._finish_local(op, local, deadline, failures)
         return max(epochs)
 
     def _finish_local(self, op: Operation, local: list[tuple[list[int], Connection, Pending]], deadline: float,
@@ -209,9 +225,11 @@ class Fanout:
                 return
 
     def _poll_loop(self, op: Operation, conns: dict[int, Job], event: int, deadline: float,
-                   failures: list[GCacheError], step: Callable[[list[int], Connection], bool]) -> dict[int, Job]:
+                   failures: list[GCacheError], step: Callable[[list[int], Connection], bool],
+                   idle: Callable[[], None] | None = None) -> dict[int, Job]:
         """Run ``step`` on each connection whenever it is ready for ``event`` until it returns
-        True; returns the finished ones. Connections still unfinished at the deadline fail."""
+        True; returns the finished ones. Connections still unfinished at the deadline fail.
+        ``idle`` runs whenever LOCAL_WAIT_S pass with no connection ready."""
         done: dict[int, Job] = {}
         poller = select.poll()
         for fd in conns:
@@ -221,7 +239,10 @@ class Fanout:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for fd, _ev in poller.poll(remaining * 1000):
+            ready = poller.poll(1000 * (remaining if idle is None else min(remaining, LOCAL_WAIT_S)))
+            if not ready and idle is not None:
+                idle()
+            for fd, _ev in ready:
                 idxs, conn = pending[fd]
                 try:
                     finished = step(idxs, conn)

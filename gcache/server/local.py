@@ -8,8 +8,11 @@ copies values directly between the arena and its own buffers: one copy, no socke
   that stalled) was released by the reaper, so its slots may have been reused: the client then
   reports those keys as misses. Values are therefore never returned torn.
 * LALLOC reserves slots and answers their offsets under a lease; the client copies the values
-  in; LCOMMIT makes them visible. A client that dies or stalls before committing has its
-  reservations aborted (on disconnect, or when the lease expires), so no slot leaks.
+  in; LCOMMIT makes them visible. A client that dies before committing has its reservations
+  aborted on disconnect, so no slot leaks. One that stalls past the lease keeps them reserved
+  until its connection's next request or its disconnect, never less: the client may still be
+  copying into those slots, and giving them to another value would let it overwrite that value.
+  Its LCOMMIT then still commits (the slots were never reused); any other request aborts them.
 
 Values that are not in the arena (an NVMe hit that could not be promoted) are sent inline.
 
@@ -61,6 +64,7 @@ class LocalHandler(Handler):
         self.server = server
         self.lease_s = server.lease_s
         self._leases: dict[int, _Lease] = {}
+        self._overdue: dict[int, _Lease] = {}  # put leases past their deadline: reserved until the next request
         self._next_lease = 1
         self._lease_lock = threading.Lock()
         for op, fn in ((Op.LMAP, self._lmap), (Op.LGET, self._lget), (Op.LDONE, self._ldone),
@@ -77,7 +81,10 @@ class LocalHandler(Handler):
 
     def _take(self, lid: Any) -> _Lease | None:
         with self._lease_lock:
-            return self._leases.pop(lid, None) if isinstance(lid, int) else None
+            if not isinstance(lid, int):
+                return None
+            lease = self._leases.pop(lid, None)
+            return lease if lease is not None else self._overdue.pop(lid, None)
 
     def _drop(self, lease: _Lease) -> None:
         if lease.hits:
@@ -90,17 +97,39 @@ class LocalHandler(Handler):
         """Release leases past their deadline (called by the reaper); returns how many."""
         with self._lease_lock:
             dead = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
-            leases = [self._leases.pop(lid) for lid in dead]
+            leases = []
+            for lid in dead:
+                lease = self._leases.pop(lid)
+                if lease.reservations:  # the client may be copying into them: kept (module docstring)
+                    self._overdue[lid] = lease
+                else:
+                    leases.append(lease)
         for lease in leases:
             self._drop(lease)
-        if leases:
-            log.warning("%d lease(s) of %s expired; their slots were released", len(leases), self._peer())
-        return len(leases)
+        if dead:
+            log.warning("%d lease(s) of %s expired; read pins released, %d put reservation(s) kept until "
+                        "the client's next request", len(dead), self._peer(), len(dead) - len(leases))
+        return len(dead)
+
+    def _one_request(self) -> bool:
+        """Serve one request; put leases that were overdue before it and not committed by it
+        are aborted (the client has moved on: it is not copying into them any more)."""
+        with self._lease_lock:
+            overdue = list(self._overdue)
+        try:
+            return super()._one_request()
+        finally:
+            if overdue:
+                with self._lease_lock:
+                    stale = [self._overdue.pop(lid) for lid in overdue if lid in self._overdue]
+                for lease in stale:
+                    self._drop(lease)
 
     def release_all(self) -> None:
         with self._lease_lock:
-            leases = list(self._leases.values())
+            leases = [*self._leases.values(), *self._overdue.values()]
             self._leases.clear()
+            self._overdue.clear()
         for lease in leases:
             self._drop(lease)
 
