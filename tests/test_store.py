@@ -225,3 +225,20 @@ def test_batched_lookups_agree_with_single_ones_across_tiers(tiered):
             if h is not None:
                 s.release(h)
     assert all(h.entry.pins == 0 for h in on_ram)
+
+
+def test_reserve_many_that_fails_partway_holds_nothing(ram_store, monkeypatch):
+    s = ram_store
+    real = s._make_room
+    calls = []
+
+    def make_room(size, group=None):
+        calls.append(size)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(size, group)
+
+    monkeypatch.setattr(s, "_make_room", make_room)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.reserve_many([KB, None, 2 * KB, 3 * KB])
+    assert calls == [KB, 2 * KB, 3 * KB] and s.stats()["ram_used"] == 0  # the first two were given back

@@ -199,10 +199,9 @@ class Fanout:
         owners answered in time; when another one ran the batch out of its deadline, theirs are
         still finished, within FINISH_GRACE_S."""
         copy_all([pair for _i, _c, p in local for pair in p.pairs])
-        finish_by = max(deadline, time.monotonic() + FINISH_GRACE_S)
         for idxs, conn, pending in local:
-            try:
-                pending.finish(finish_by)
+            try:  # each its own grace: one owner stalling here must not run out the others'
+                pending.finish(max(deadline, time.monotonic() + FINISH_GRACE_S))
                 self.pool.put(conn)
             except GCacheError as exc:
                 self._failed(op, idxs, conn, exc, failures)

@@ -64,7 +64,7 @@ class ConnState:
     """What admission knows of one connection; its handler keeps it current (plain attribute
     writes: the accept thread reads them without a lock and tolerates a stale view)."""
 
-    __slots__ = ("active", "authed", "last", "served", "shed", "since", "sock")
+    __slots__ = ("active", "authed", "holding", "last", "served", "shed", "since", "sock")
 
     def __init__(self, sock: socket.socket, authed: bool) -> None:
         self.sock = sock
@@ -72,6 +72,7 @@ class ConnState:
         self.authed = authed
         self.served = False  # completed a request
         self.active = False  # between a frame's header and its reply
+        self.holding = False  # holds local-path leases: a client may be copying through them
         self.shed = False
 
     def __repr__(self) -> str:
@@ -197,7 +198,7 @@ class Admission:
     def _pick_victim(self) -> ConnState | None:
         best = None
         for state in self._conns:
-            if state.shed or state.active:
+            if state.shed or state.active or state.holding:
                 continue
             if best is None or state.shed_rank() < best.shed_rank():
                 best = state

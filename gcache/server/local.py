@@ -12,7 +12,9 @@ copies values directly between the arena and its own buffers: one copy, no socke
   aborted on disconnect, so no slot leaks. One that stalls past the lease keeps them reserved
   until its connection's next request or its disconnect, never less: the client may still be
   copying into those slots, and giving them to another value would let it overwrite that value.
-  Its LCOMMIT then still commits (the slots were never reused); any other request aborts them.
+  Its LCOMMIT then still commits (the slots were never reused); any other request but LMAP (a
+  client's first put maps the arena writable between LALLOC and copying) aborts them. A
+  connection holding leases is never the one closed to admit another at the connection cap.
 
 Values that are not in the arena (an NVMe hit that could not be promoted) are sent inline.
 
@@ -65,6 +67,7 @@ class LocalHandler(Handler):
         self.lease_s = server.lease_s
         self._leases: dict[int, _Lease] = {}
         self._overdue: dict[int, _Lease] = {}  # put leases past their deadline: reserved until the next request
+        self._mapped = False  # the request being served is an LMAP
         self._next_lease = 1
         self._lease_lock = threading.Lock()
         for op, fn in ((Op.LMAP, self._lmap), (Op.LGET, self._lget), (Op.LDONE, self._ldone),
@@ -116,14 +119,17 @@ class LocalHandler(Handler):
         are aborted (the client has moved on: it is not copying into them any more)."""
         with self._lease_lock:
             overdue = list(self._overdue)
+        self._mapped = False
         try:
             return super()._one_request()
         finally:
-            if overdue:
+            if overdue and not self._mapped:
                 with self._lease_lock:
                     stale = [self._overdue.pop(lid) for lid in overdue if lid in self._overdue]
                 for lease in stale:
                     self._drop(lease)
+            if self.state is not None:
+                self.state.holding = bool(self._leases or self._overdue)
 
     def release_all(self) -> None:
         with self._lease_lock:
@@ -137,6 +143,7 @@ class LocalHandler(Handler):
     def _lmap(self, req_id: int, meta: dict[str, Any]) -> None:
         """The arena's descriptor: read-only unless ``{"rw": true}`` (a client that puts)."""
         rw = bool(meta.get("rw"))
+        self._mapped = True  # not a sign that a put's copy is over (see _one_request)
         raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id, "rw": rw})
         head = P.pack_header(Op.LMAP, P.FLAG_REPLY, req_id, len(raw), 0)
         self.unix.send_fds([head + raw], [self.store.arena.fd if rw else self.server.read_only_fd])

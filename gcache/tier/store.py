@@ -155,27 +155,39 @@ class Store:
         with self._lock:
             group = self._group(pool) if pool is not None else None
             budget = group.budget if group is not None and group.budget is not None else limit
-            deadline = 0.0
-            for size in sizes:
-                if size is None:
-                    out.append(None)
-                    continue
-                if size > limit or size > budget:
-                    out.append(Status.TOO_LARGE)
-                    continue
-                while True:
-                    off = self._make_room(size, group)
-                    if off is not None:
-                        out.append(Reservation(off, size, self.arena.slot(off, size), group))
-                        break
-                    deadline = deadline or time.monotonic() + self.config.full_wait_s
-                    remaining = deadline - time.monotonic()
-                    if not self._queue_bytes or remaining <= 0:
-                        self.counters["full"] += 1
-                        out.append(Status.FULL)
-                        break
-                    self._lock.wait(remaining)
+            try:
+                self._reserve_each(sizes, group, limit, budget, out)
+            except BaseException:  # nothing reserved by a call that fails
+                for res in out:
+                    if isinstance(res, Reservation):
+                        self.ram.alloc.free_slot(res.off, res.size)
+                self._lock.notify_all()
+                raise
         return out
+
+    def _reserve_each(self, sizes: Sequence[int | None], group: PoolGroup | None, limit: int, budget: int,
+                      out: list[Reservation | Status | None]) -> None:
+        """Lock held: reserve_many's loop, appending to ``out``."""
+        deadline = 0.0
+        for size in sizes:
+            if size is None:
+                out.append(None)
+                continue
+            if size > limit or size > budget:
+                out.append(Status.TOO_LARGE)
+                continue
+            while True:
+                off = self._make_room(size, group)
+                if off is not None:
+                    out.append(Reservation(off, size, self.arena.slot(off, size), group))
+                    break
+                deadline = deadline or time.monotonic() + self.config.full_wait_s
+                remaining = deadline - time.monotonic()
+                if not self._queue_bytes or remaining <= 0:
+                    self.counters["full"] += 1
+                    out.append(Status.FULL)
+                    break
+                self._lock.wait(remaining)
 
     def commit(self, key: Key, res: Reservation, meta: ValueMeta = NO_META) -> None:
         """Publish a filled reservation with its value-metadata record. For a pooled reservation
