@@ -312,8 +312,7 @@ class Handler:
                 self._land(ns, keys, vmeta, chunk, handover)
                 start = end
         except BaseException:
-            for res in [r for _i, r in chunk] + [r for r in got[k:] if isinstance(r, Reservation)]:
-                self.store.abort(res)
+            self.store.abort_many([r for _i, r in chunk] + [r for r in got[k:] if isinstance(r, Reservation)])
             raise
         return {"st": status}, payload_len
 

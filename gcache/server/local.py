@@ -92,9 +92,7 @@ class LocalHandler(Handler):
     def _drop(self, lease: _Lease) -> None:
         if lease.hits:
             self.store.release_many(lease.hits)
-        for _key, res in lease.reservations or ():
-            if res is not None:
-                self.store.abort(res)
+        self.store.abort_many([res for _key, res in lease.reservations or () if res is not None])
 
     def expire(self, now: float) -> int:
         """Release leases past their deadline (called by the reaper); returns how many."""

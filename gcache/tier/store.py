@@ -158,10 +158,7 @@ class Store:
             try:
                 self._reserve_each(sizes, group, limit, budget, out)
             except BaseException:  # nothing reserved by a call that fails
-                for res in out:
-                    if isinstance(res, Reservation):
-                        self.ram.alloc.free_slot(res.off, res.size)
-                self._lock.notify_all()
+                self._give_back([res for res in out if isinstance(res, Reservation)])
                 raise
         return out
 
@@ -208,9 +205,7 @@ class Store:
                     self._publish(key, res, entry)
                     done += 1
             except BaseException:
-                for _key, res, _meta in items[done + 1:]:
-                    self.ram.alloc.free_slot(res.off, res.size)
-                self._lock.notify_all()
+                self._give_back([res for _key, res, _meta in items[done + 1:]])
                 raise
             finally:
                 self.counters["puts"] += done
@@ -230,9 +225,19 @@ class Store:
         self.ram.release(self.ram.insert(key, entry))
 
     def abort(self, res: Reservation) -> None:
-        with self._lock:
+        self.abort_many([res])
+
+    def abort_many(self, reservations: Sequence[Reservation]) -> None:
+        """Give back reservations that will not be committed (one lock for all)."""
+        if reservations:
+            with self._lock:
+                self._give_back(reservations)
+
+    def _give_back(self, reservations: Sequence[Reservation]) -> None:
+        """Lock held: free the reservations' slots and wake puts waiting for room."""
+        for res in reservations:
             self.ram.alloc.free_slot(res.off, res.size)
-            self._lock.notify_all()
+        self._lock.notify_all()
 
     def put(self, key: Key, value: memoryview | bytes, ttl_s: float = 0.0, pool: str | None = None,
             pos: int = 0, tail: int = 0, fmt: int = 0) -> Status:
