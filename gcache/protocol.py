@@ -35,6 +35,7 @@ MAGIC = b"GCP1"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = HEADER.size  # 28
+OP_OFFSET = struct.calcsize("<4sB")  # the opcode's byte in a header: after the magic and the version
 MAX_META_BYTES = 16 << 20
 PRE_AUTH_META_BYTES = 4096  # a HELLO's metadata, the only frame a daemon with a token reads before it
 MAX_META_MAP_LEN = 64  # fields of one map in request metadata

@@ -62,9 +62,12 @@ class Fanout:
         deadline = time.monotonic() + self.timeout_s
         which: Sequence[int] = range(len(kbytes))
         if kbytes and max(map(len, kbytes)) > MAX_KEY_BYTES:  # refused here, not sent: one could
-            which = [i for i, k in enumerate(kbytes) if len(k) <= MAX_KEY_BYTES]  # fail its whole request
-            for i in set(range(len(kbytes))).difference(which):
-                op.status[i] = Status.BAD_KEY
+            which = []  # fail its whole request
+            for i, k in enumerate(kbytes):
+                if len(k) > MAX_KEY_BYTES:
+                    op.status[i] = Status.BAD_KEY
+                else:
+                    which.append(i)
         seen = self._round(op, kbytes, which, view.ring, view.addr, view.epoch, False, failures, deadline, final)
         if seen > view.epoch and self.may_refresh():
             self.refresh()

@@ -67,7 +67,6 @@ class LocalHandler(Handler):
         self.lease_s = server.lease_s
         self._leases: dict[int, _Lease] = {}
         self._overdue: dict[int, _Lease] = {}  # put leases past their deadline: reserved until the next request
-        self._mapped = False  # the request being served is an LMAP
         self._next_lease = 1
         self._lease_lock = threading.Lock()
         for op, fn in ((Op.LMAP, self._lmap), (Op.LGET, self._lget), (Op.LDONE, self._ldone),
@@ -116,12 +115,12 @@ class LocalHandler(Handler):
         """Serve one request; put leases that were overdue before it and not committed by it
         are aborted (the client has moved on: it is not copying into them any more)."""
         with self._lease_lock:
-            overdue = list(self._overdue)
-        self._mapped = False
+            # an LMAP does not count: a client's first put maps the arena between LALLOC and copying
+            overdue = [] if self.frames.hdr[P.OP_OFFSET] == Op.LMAP else list(self._overdue)
         try:
             return super()._one_request()
         finally:
-            if overdue and not self._mapped:
+            if overdue:
                 with self._lease_lock:
                     stale = [self._overdue.pop(lid) for lid in overdue if lid in self._overdue]
                 for lease in stale:
@@ -141,7 +140,6 @@ class LocalHandler(Handler):
     def _lmap(self, req_id: int, meta: dict[str, Any]) -> None:
         """The arena's descriptor: read-only unless ``{"rw": true}`` (a client that puts)."""
         rw = bool(meta.get("rw"))
-        self._mapped = True  # not a sign that a put's copy is over (see _one_request)
         raw = P.encode_meta({"size": self.store.arena.size, "id": self.server.arena_id, "rw": rw})
         head = P.pack_header(Op.LMAP, P.FLAG_REPLY, req_id, len(raw), 0)
         self.unix.send_fds([head + raw], [self.store.arena.fd if rw else self.server.read_only_fd])
