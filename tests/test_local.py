@@ -18,6 +18,7 @@ from gcache.client import fanout
 from gcache.net.address import is_local_host, unix_name
 from gcache.transport import open_connection
 from tests.conftest import poll
+from tests.test_local_batch import keys_of
 
 
 def ram_used(client, node):
@@ -155,11 +156,11 @@ def test_a_get_whose_copy_outlasts_its_lease_reports_misses_not_torn_bytes(make_
     slots may now be reused): the client must not trust what it copied (LDONE with a reply, not
     one-way) and reports misses; the next get returns the new values, and no slot stays pinned."""
     c = make_cluster(nodes=2, mem="64MiB", extra_args=["--lease", "0.3"])
-    keys = [f"k{i}" for i in range(8)]
-    old, new = [os.urandom(300_000) for _ in keys], [os.urandom(300_000) for _ in keys]
+    old, new = [os.urandom(300_000) for _ in range(8)], [os.urandom(300_000) for _ in range(8)]
     real_copy = fanout.copy_all
     with Client(c.addresses, local=LocalPath.FORCE, local_min_bytes=0) as cl, \
             Client(c.addresses, local=LocalPath.OFF) as writer:
+        keys = [k for a in c.addresses for k in keys_of(cl, a, 4, "k")]  # both daemons own some, whatever the ports
         assert len(set(cl.owners(keys))) == 2 and cl.put(keys, old) == [Status.OK] * 8
         settled = {a: ram_used(cl, a) for a in c.addresses}
 
