@@ -57,8 +57,9 @@ class Agent:
         self.inc = 0
         self.epoch = 0
         self.membership: Membership | None = None
-        self._ring: HashRing | None = None
-        self._ring_epoch = -1
+        # (epoch, ring) this node routes by: the newest membership whose ring is built. Read as one
+        # tuple; it trails ``epoch`` while a ring is being built.
+        self.routing: tuple[int, HashRing | None] = (-1, None)
         self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
         self._ring_cond = threading.Condition()
         self._last_tick = 0.0
@@ -84,7 +85,9 @@ class Agent:
                 or time.monotonic() - self._last_tick > self.fence_after_s)
 
     def owns(self, namespace: str, key: bytes) -> bool:
-        ring = self._ring
+        return self.owns_by(self.routing[1], namespace, key)
+
+    def owns_by(self, ring: HashRing | None, namespace: str, key: bytes) -> bool:
         return ring is None or self.node_id not in ring.node_ids or ring.owner(namespace, key) == self.node_id
 
     def note_epoch(self, epoch: int) -> None:
@@ -141,11 +144,13 @@ class Agent:
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
     def _await_previous_owners(self, m: dict[str, Any]) -> None:
-        """Serve only once the nodes that owned our new ranges know they no longer do: until then
+        """Serve only once the nodes that owned our new ranges route by the new ring: until then
         a client that has not heard of the change either could still read an old copy there
-        after another one wrote a newer one here. They learn it from the masters at their next
-        heartbeat; told directly (announce_epoch) they refresh at once. One that neither answers
-        nor learns it within fence-after has fenced itself by then (it cannot reach the leader)."""
+        after another one wrote a newer one here. (Knowing the new epoch is not enough: a node
+        judges ownership by the newest ring it has *built*.) They learn it from the masters at
+        their next heartbeat; told directly (announce_epoch) they refresh at once. One that
+        neither answers nor learns it within fence-after has fenced itself by then (it cannot
+        reach the leader)."""
         t = m.get("transition") or {}
         prev = {r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}
         deadline = time.monotonic() + self.fence_after_s
@@ -298,9 +303,9 @@ class Agent:
 
     def _install_ring(self, membership: Membership, ring: HashRing | None) -> None:
         with self._lock:
-            if membership.epoch < self._ring_epoch:
+            if membership.epoch < self.routing[0]:
                 return
-            self._ring, self._ring_epoch = ring, membership.epoch
+            self.routing = (membership.epoch, ring)
         with self._changed:
             self._changed.notify_all()
 
@@ -311,7 +316,7 @@ class Agent:
             with self._ring_cond:
                 self._ring_cond.wait_for(lambda: self._ring_wanted is not None or self._stop.is_set())
                 membership, self._ring_wanted = self._ring_wanted, None
-            if membership is None or membership.epoch <= self._ring_epoch:
+            if membership is None or membership.epoch <= self.routing[0]:
                 continue
             try:
                 self._install_ring(membership, membership.build_ring())
@@ -327,7 +332,7 @@ class Agent:
             t = getattr(self, "_transition", None)
             if t is None or self.node_id not in t["pending"] or t["epoch"] <= done_epoch or self.fenced:
                 continue
-            if self._ring_epoch < int(t["epoch"]):  # hand over by the ring of that epoch, once built
+            if self.routing[0] < int(t["epoch"]):  # hand over by the ring of that epoch, once built
                 continue
             epoch = int(t["epoch"])
             try:
@@ -347,7 +352,7 @@ class Agent:
 
     def _hand_over(self) -> int:
         membership = self.membership
-        ring = self._ring
+        ring = self.routing[1]
         if membership is None or ring is None:
             return 0
         moved = hand_over(self.store, membership, ring, self.node_id, self.put)

@@ -26,7 +26,7 @@ from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
 from gcache.server.framing import FrameReader, Refused
 from gcache.tier.pools import parse_pool_meta
-from gcache.tier.store import Hit, Reservation, Store
+from gcache.tier.store import Guard, Hit, Reservation, Store
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ limited = RateLimitedLog(log)
 SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's first refusal
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
-OK, NOT_FOUND = int(Status.OK), int(Status.NOT_FOUND)
+OK, NOT_FOUND, NOT_OWNER = int(Status.OK), int(Status.NOT_FOUND), int(Status.NOT_OWNER)
 _MAX_KEY = P.MAX_KEY_BYTES
 _OPS = {int(o): o for o in Op}  # a dict lookup per request, not an Enum call
 JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
@@ -102,6 +102,7 @@ class Handler:
             stream.settimeout(ctx.config.handshake_timeout_s)
         self._scratch_buf: memoryview | None = None
         self._owner_check: Callable[[str, bytes], bool] | None = None
+        self.routed: tuple[int, int] | None = None  # the request's (client epoch, ring epoch it was checked by)
         self.req_flags = 0  # flags of the request being served
         self._ops: dict[Op, Callable[[int, dict[str, Any]], None]] = {}
         for op, fn in ctx.ops.items():
@@ -171,7 +172,7 @@ class Handler:
                                                     "re-registering, treat it as unavailable")
                 self._owner_check = self._ownership_rule(meta)
             else:
-                self._owner_check = None
+                self._owner_check, self.routed = None, None
             extra = self._ops.get(op)
             if extra is not None:
                 if payload_len:
@@ -243,15 +244,38 @@ class Handler:
             self.state.authed = True
 
     def _ownership_rule(self, meta: dict[str, Any]):
-        """A per-key owner check when the client routed by an older epoch than ours, else None."""
+        """A per-key owner check when the client routed by an older epoch than the ring this node
+        routes by, else None; ``routed`` keeps both epochs for the check as writes land."""
         agent = self.agent
         assert agent is not None
         ep = meta.get("ep")
+        self.routed = None
         if not isinstance(ep, int) or meta.get("fb"):
             return None
         if ep > agent.epoch:
             agent.note_epoch(ep)
-        return agent.owns if ep < agent.epoch else None
+        ring_epoch, ring = agent.routing
+        self.routed = (ep, ring_epoch)
+        return functools.partial(agent.owns_by, ring) if ep < ring_epoch else None
+
+    def write_guard(self, routed: tuple[int, int] | None) -> Guard | None:
+        """For a write admitted by the owner check of ``routed``: a store guard that, as the write
+        lands (under the store lock), checks its keys again if this node has since built a newer
+        ring than both the client's epoch and the ring of that check. Without it a write admitted
+        just before the ring changed could land after this node's handover read the key's old
+        value and pushed it to the new owner, which would then serve that old value."""
+        agent = self.agent
+        if routed is None or agent is None:
+            return None
+        client_epoch, checked = routed
+
+        def guard() -> Callable[[tuple[str, bytes]], bool] | None:
+            ring_epoch, ring = agent.routing
+            if ring_epoch == checked or client_epoch >= ring_epoch:
+                return None
+            return lambda key: agent.owns_by(ring, key[0], key[1])
+
+        return guard
 
     def _keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
         """Per key: BAD_KEY or NOT_OWNER for a key this request must not touch, else None (the
@@ -303,13 +327,13 @@ class Handler:
                     res, i = got[k], start + k
                     k += 1
                     if res is None or isinstance(res, Status):  # refused: its bytes are read and dropped
-                        self._land(ns, keys, vmeta, chunk, handover)
+                        self._land(ns, keys, vmeta, chunk, handover, status)
                         drain(self.stream, sizes[i], self._scratch)
                         status.append(int(res if res is not None else refused[i]))  # type: ignore[arg-type]
                     else:
                         chunk.append((i, res))
                         status.append(OK)
-                self._land(ns, keys, vmeta, chunk, handover)
+                self._land(ns, keys, vmeta, chunk, handover, status)
                 start = end
         except BaseException:
             self.store.abort_many([r for _i, r in chunk] + [r for r in got[k:] if isinstance(r, Reservation)])
@@ -317,15 +341,18 @@ class Handler:
         return {"st": status}, payload_len
 
     def _land(self, ns: str, keys: list[Any], vmeta: list[ValueMeta], chunk: list[tuple[int, Reservation]],
-              handover: bool) -> None:
+              handover: bool, status: list[int]) -> None:
         """Receive the values of ``chunk`` into their reserved slots in one scatter read, then
-        commit them in key order (a handover copy only where no client wrote or deleted the key)."""
+        commit them in key order (a handover copy only where no client wrote or deleted the key;
+        a key this node no longer owns by the time it lands: NOT_OWNER in ``status``)."""
         if not chunk:
             return
         recv_scatter(self.stream, [res.view for _i, res in chunk])
         if not handover:
             try:
-                self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk])
+                for n in self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk],
+                                                self.write_guard(self.routed)):
+                    status[chunk[n][0]] = NOT_OWNER
             finally:
                 chunk.clear()
             return
@@ -381,6 +408,7 @@ class Handler:
                 ep = meta.get("ep")
                 if isinstance(ep, int) and ep > self.agent.epoch:  # a peer announces a newer epoch
                     self.agent.note_epoch(ep)
+                pong["rt"] = self.agent.routing[0]  # the epoch whose ring it judges ownership by
                 if meta.get("probe"):  # a peer's lease probe (gcache.server.vouch)
                     pong["lead"] = self.agent.leader_reachable()
             return pong
@@ -413,12 +441,15 @@ class Handler:
     def _delete(self, meta: dict[str, Any]) -> dict[str, Any]:
         ns, keys = self._ns_keys(meta)
         log_ = self.agent.touchlog if self.agent is not None else None
-        out: list[int] = []
-        for k, refused in zip(keys, self._keys_status(ns, keys)):
-            if refused is None and log_ is not None:
-                log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
-            out.append(int(refused if refused is not None else (OK if self.store.delete((ns, k)) else NOT_FOUND)))
-        return {"st": out}
+        refused = self._keys_status(ns, keys)
+        if log_ is not None:
+            for k, r in zip(keys, refused):
+                if r is None:
+                    log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
+        found = self.store.delete_many([(ns, k) if r is None else None for k, r in zip(keys, refused)],
+                                       self.write_guard(self.routed))
+        return {"st": [int(r) if r is not None else NOT_OWNER if f is None else OK if f else NOT_FOUND
+                       for r, f in zip(refused, found)]}
 
     def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:
         """``reply["tomb"]``: positions of misses of keys a client wrote or deleted here lately,

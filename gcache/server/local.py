@@ -51,12 +51,13 @@ log = logging.getLogger(__name__)
 
 
 class _Lease:
-    __slots__ = ("deadline", "hits", "meta", "ns", "reservations")
+    __slots__ = ("deadline", "hits", "meta", "ns", "reservations", "routed")
 
     def __init__(self, deadline: float, hits: list[Hit] | None = None,
                  reservations: list[tuple[bytes, Reservation | None]] | None = None, ns: str = "",
-                 meta: list[ValueMeta] | None = None) -> None:
+                 meta: list[ValueMeta] | None = None, routed: tuple[int, int] | None = None) -> None:
         self.deadline, self.hits, self.reservations, self.ns, self.meta = deadline, hits, reservations, ns, meta
+        self.routed = routed  # a put lease's owner check (Handler.routed), done again as LCOMMIT lands it
 
 
 class LocalHandler(Handler):
@@ -204,7 +205,8 @@ class LocalHandler(Handler):
                 status.append(int(res if res is not None else r))  # type: ignore[arg-type]
                 offs.append(-1)
                 reservations.append((key, None))
-        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta))
+        lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta,
+                                     routed=self.routed))
         self.reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
 
     def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
@@ -212,9 +214,13 @@ class LocalHandler(Handler):
         if lease is None:
             raise Refused(P.ErrorCode.BAD_META, "lease unknown or expired: the values were not stored")
         reserved = lease.reservations or []
-        self.store.commit_many([((lease.ns, key), res, lease.meta[i] if lease.meta else NO_META)
-                                for i, (key, res) in enumerate(reserved) if res is not None])
-        self.reply(Op.LCOMMIT, req_id, {"st": [int(Status.ERROR if res is None else Status.OK) for _k, res in reserved]})
+        held = [i for i, (_key, res) in enumerate(reserved) if res is not None]
+        st = [int(Status.ERROR if res is None else Status.OK) for _k, res in reserved]
+        for n in self.store.commit_many([((lease.ns, reserved[i][0]), reserved[i][1],  # type: ignore[misc]
+                                          lease.meta[i] if lease.meta else NO_META) for i in held],
+                                        self.write_guard(lease.routed)):
+            st[held[n]] = int(Status.NOT_OWNER)
+        self.reply(Op.LCOMMIT, req_id, {"st": st})
 
 
 class LocalServer:

@@ -5,7 +5,9 @@ fresh connection, within one deadline.
   it answers ``"lead"``: whether a heartbeat round it ran for the question (or had just run)
   reached the leader, and, as on every reply, ``"ep"``: the membership epoch it knows.
 * ``announce_epoch``: ``{"ep": E}`` tells a peer that epoch E exists; a peer behind it refreshes
-  its membership at once (instead of at its next heartbeat) and says which epoch it now knows.
+  its membership at once (instead of at its next heartbeat) and says which epoch it now routes
+  by (``"rt"``: the newest whose ring it has built; it can know a newer one, ``"ep"``, whose
+  ring is still being built, and until then it judges ownership by the older ring).
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dic
 
 
 def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> set[str]:
-    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they know it."""
+    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they route by it."""
     replies = _ping_all(peers, {"ep": epoch}, token, timeout_s)
-    return {n for n, r in replies.items() if r is not None and isinstance(r.get("ep"), int) and r["ep"] >= epoch}
+    return {n for n, r in replies.items() if r is not None and isinstance(r.get("rt"), int) and r["rt"] >= epoch}
 
 
 class PeerAsk:

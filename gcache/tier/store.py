@@ -26,7 +26,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
@@ -37,6 +37,11 @@ from gcache.tier.nvme import Location, NvmeTier
 from gcache.tier.pools import GroupId, PoolBudget, PoolBudgets, PoolGroup
 from gcache.tier.ram import Key, RamEntry, RamTier
 from gcache.tier.valuemeta import NO_META, ValueMeta
+
+# A write's last check, run under the store lock as it lands: None (nothing to check) or a
+# predicate on keys; a key it rejects is not written. (The daemon re-checks ownership here when
+# its ring changed since the request was admitted: gcache.server.handler.)
+Guard = Callable[[], "Callable[[Key], bool] | None"]
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +197,23 @@ class Store:
         is sticky across overwrites within the pool."""
         self.commit_many([(key, res, meta)])
 
-    def commit_many(self, items: Sequence[tuple[Key, Reservation, ValueMeta]]) -> None:
+    def commit_many(self, items: Sequence[tuple[Key, Reservation, ValueMeta]], guard: Guard | None = None) -> list[int]:
         """commit() of each (key, filled reservation, metadata), in order, under one lock. If one
-        fails, the reservations after it are given back (none of them is published)."""
+        fails, the reservations after it are given back (none of them is published). Items whose
+        key ``guard`` rejects are given back instead; returns their positions."""
         now = time.time()
         entries = [_entry_meta(RamEntry(res.off, res.size, 0.0), meta, meta.expires_at(now))
                    for _key, res, meta in items]
+        rejected: list[int] = []
         with self._lock:
+            check = guard() if guard is not None else None
+            if check is not None:
+                rejected = [i for i, (key, _res, _meta) in enumerate(items) if not check(key)]
+                if rejected:
+                    self._give_back([items[i][1] for i in rejected])
+                    drop = set(rejected)
+                    kept = [i for i in range(len(items)) if i not in drop]
+                    items, entries = [items[i] for i in kept], [entries[i] for i in kept]
             done = 0
             try:
                 for (key, res, _meta), entry in zip(items, entries):
@@ -212,6 +227,7 @@ class Store:
                 self.counters["put_bytes"] += sum(res.size for _key, res, _meta in items[:done])
         if self.nvme is not None:
             self.nvme.sweep()  # files of segments a tombstone's reservation reclaimed
+        return rejected
 
     def _publish(self, key: Key, res: Reservation, entry: RamEntry) -> None:
         """Lock held: index ``entry`` (the value in ``res``) as the newest value of ``key``."""
@@ -388,12 +404,29 @@ class Store:
         with self._lock:
             if if_seq is not None and self._current_seq(key) != if_seq:
                 return False
-            found = self._forget_older(key, self._next_seq())
-            old = self.ram.pop(key)
-            self.ram.release(old)
-            self._lock.notify_all()
+            found = self._delete(key)
         if self.nvme is not None:
             self.nvme.sweep()
+        return found
+
+    def delete_many(self, keys: Sequence[Key | None], guard: Guard | None = None) -> list[bool | None]:
+        """delete() of each key under one lock: whether it was stored, or None for a key skipped
+        (None) or rejected by ``guard`` (left as it is)."""
+        out: list[bool | None] = []
+        with self._lock:
+            check = guard() if guard is not None else None
+            for key in keys:
+                out.append(None if key is None or (check is not None and not check(key)) else self._delete(key))
+        if self.nvme is not None:
+            self.nvme.sweep()
+        return out
+
+    def _delete(self, key: Key) -> bool:
+        """Lock held: delete ``key``; whether it was stored."""
+        found = self._forget_older(key, self._next_seq())
+        old = self.ram.pop(key)
+        self.ram.release(old)
+        self._lock.notify_all()
         return found or old is not None
 
     def _next_seq(self) -> int:

@@ -1,0 +1,211 @@
+"""A daemon judges a client's routing by the newest ring it has *built*, not the newest epoch it
+has heard of, and checks a write again as it lands if that ring changed meanwhile.
+
+The story these guard (seen once in the fault lab, asymmetric cut, under CI load): a node
+rejoins; the previous owner n0 learns the new epoch at once but builds its ring in another
+thread. If n0 confirmed the epoch to the joiner before routing by its ring, the joiner started
+serving while n0 still served old-epoch clients by the old ring: one client wrote key k on the
+joiner, another (not yet refreshed) then read k's older copy on n0. And a write admitted under
+the old ring could land on n0 after n0's handover had read k's old value and pushed it to the
+joiner, which would then serve that old value after the write was acknowledged.
+
+In-process: the real Agent (never started: no masters), Handler, LocalHandler and Store; the
+memberships come from the real NodeTable."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from gcache.meta.membership import Membership
+from gcache.meta.nodetable import NodeTable
+from gcache.net.stream import PolledSocketStream, SocketStream
+from gcache.protocol import Op, Status
+from gcache.server.admission import Admission, AdmissionConfig
+from gcache.server.agent import Agent
+from gcache.server.handler import Handler, ServerContext
+from gcache.server.local import LocalHandler, LocalServer
+from gcache.tier.allocator import aligned
+from gcache.tier.store import Store, StoreConfig
+from gcache.tier.valuemeta import NO_META
+from gcache.transport import Connection
+from tests.conftest import read
+from tests.server.memory_daemon import serve_then_close
+
+GiB = 1 << 30
+NS = "ns"
+
+
+def memberships():
+    """n0 and n1, then n2 joins: (before, after) as the masters publish them."""
+    t = NodeTable()
+    for i in range(3):
+        t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB})
+        if i == 1:
+            before = t.membership()
+    return before, t.membership()
+
+
+class Node:
+    """n0 with an agent at the ``before`` epoch, serving connections over socket pairs."""
+
+    def __init__(self):
+        self.before, self.after = memberships()
+        self.e1, self.e2 = self.before["epoch"], self.after["epoch"]
+        assert self.e2 > self.e1 and self.after["transition"] is not None
+        self.store = Store(StoreConfig(mem_bytes=16 << 20, pretouch=False))
+        self.agent = Agent(None, "n0", "n0:1", GiB, self.store, None, put=lambda *a: [])  # type: ignore[arg-type]
+        self.agent._apply_membership(self.before, build_now=True)
+        self.agent._registered.set()
+        self.agent._last_tick = time.monotonic() + 3600  # holds its lease for the test
+        self.ctx = ServerContext(self.store, "n0", 1 << 20, agent=self.agent)
+        ring1 = Membership.from_master(self.before).build_ring()
+        ring2 = Membership.from_master(self.after).build_ring()
+        keys = [b"k%d" % i for i in range(200)]
+        # moved: n0's before the join, n2's after; kept: n0's throughout
+        self.moved = next(k for k in keys if ring1.owner(NS, k) == "n0" and ring2.owner(NS, k) == "n2")
+        self.kept = next(k for k in keys if ring1.owner(NS, k) == "n0" and ring2.owner(NS, k) == "n0")
+        self.threads, self.conns = [], []
+
+    def learn_epoch(self):
+        """The heartbeat applied the new membership; its ring is queued for the ring thread."""
+        self.agent._apply_membership(self.after)
+        assert self.agent.epoch == self.e2 and self.agent.routing[0] == self.e1
+
+    def build_ring(self):
+        """What the ring thread does once it has built the queued ring."""
+        m = Membership.from_master(self.after)
+        self.agent._install_ring(m, m.build_ring())
+        assert self.agent.routing[0] == self.e2
+
+    def connect(self, local=None):
+        a, b = socket.socketpair()
+        handler = LocalHandler(SocketStream(a), local) if local is not None else Handler(SocketStream(a), self.ctx)
+        t = threading.Thread(target=serve_then_close, args=(handler,), daemon=True)
+        t.start()
+        conn = Connection("n0", "n0:1", PolledSocketStream(b), 5.0)
+        self.threads.append(t)
+        self.conns.append(conn)
+        return conn
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        for t in self.threads:
+            t.join(5)
+        self.store.close()
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.close()
+
+
+def call(conn, op, meta, payload=b""):
+    """One request; its reply's metadata (a reply payload, a GET's values, is read and dropped)."""
+    deadline = time.monotonic() + 5
+    conn.send(op, meta, [memoryview(payload)] if payload else [], deadline, 5.0)
+    reply, plen = conn.recv_reply(deadline)
+    conn.discard(plen, deadline)
+    return reply
+
+
+def change_ring_on_first_touch(node):
+    """Build the new ring the moment the handler touches its first key: after the request's
+    owner check, before its write lands (the window a real ring change can fall into)."""
+    touch = node.agent.touchlog.touch
+
+    def touch_then_change(key):
+        touch(key)
+        if node.agent.routing[0] < node.e2:
+            node.build_ring()
+
+    node.agent.touchlog.touch = touch_then_change
+
+
+def test_a_node_confirms_an_epoch_only_once_it_routes_by_that_epochs_ring(node):
+    c = node.connect()
+    assert node.store.put((NS, node.moved), b"old") is Status.OK
+    node.learn_epoch()
+    # a joiner announcing the new epoch must not be told "known" yet: n0 still routes by the old
+    # ring, so an old-epoch client's read of the moved key is still served here
+    pong = call(c, Op.PING, {"ep": node.e2})
+    assert pong["ep"] == node.e2 and pong["rt"] == node.e1
+    assert call(c, Op.GET, {"ns": NS, "keys": [node.moved], "ep": node.e1})["st"] == [Status.OK]
+    node.build_ring()
+    assert call(c, Op.PING, {"ep": node.e2})["rt"] == node.e2
+    # from now on an old-epoch client is refused the moved key (it refreshes and asks the joiner)
+    st = call(c, Op.GET, {"ns": NS, "keys": [node.moved, node.kept], "ep": node.e1})["st"]
+    assert st == [Status.NOT_OWNER, Status.NOT_FOUND]
+
+
+def test_a_put_admitted_under_the_old_ring_does_not_land_a_moved_key(node):
+    c = node.connect()
+    change_ring_on_first_touch(node)
+    st = call(c, Op.PUT, {"ns": NS, "keys": [node.moved, node.kept], "sizes": [3, 3], "ep": node.e1}, b"NEWnew")
+    assert st["st"] == [Status.NOT_OWNER, Status.OK]
+    assert read(node.store, (NS, node.moved)) is None and read(node.store, (NS, node.kept)) == b"new"
+    assert node.store.stats()["ram_used"] == aligned(3)  # the refused key's slot was given back
+
+
+def test_a_client_that_routed_by_the_new_epoch_is_not_checked_again(node):
+    c = node.connect()
+    change_ring_on_first_touch(node)
+    st = call(c, Op.PUT, {"ns": NS, "keys": [node.kept], "sizes": [3], "ep": node.e2}, b"new")
+    assert st["st"] == [Status.OK]
+
+
+def test_a_delete_admitted_under_the_old_ring_leaves_a_moved_key_to_the_handover(node):
+    c = node.connect()
+    for k in (node.moved, node.kept):
+        assert node.store.put((NS, k), b"old") is Status.OK
+    change_ring_on_first_touch(node)
+    st = call(c, Op.DELETE, {"ns": NS, "keys": [node.moved, node.kept, b"absent"], "ep": node.e1})["st"]
+    # refused, not acknowledged: the client retries on the joiner, where the delete sticks
+    assert st[:2] == [Status.NOT_OWNER, Status.OK]
+    assert read(node.store, (NS, node.moved)) == b"old" and read(node.store, (NS, node.kept)) is None
+
+
+def test_a_local_put_leased_under_the_old_ring_commits_only_what_is_still_owned(node):
+    admission = Admission(AdmissionConfig(), token_required=False)
+    local = LocalServer(node.ctx, f"routing-test-{os.getpid()}-{id(node)}:1", admission)
+    try:
+        c = node.connect(local)
+        got = call(c, Op.LALLOC, {"ns": NS, "keys": [node.moved, node.kept], "sizes": [3, 3], "ep": node.e1})
+        assert got["st"] == [Status.OK, Status.OK]
+        node.learn_epoch()
+        node.build_ring()  # the handover may now read the moved key here and push it to n2
+        st = call(c, Op.LCOMMIT, {"ls": got["ls"]})["st"]
+        assert st == [Status.NOT_OWNER, Status.OK]
+        assert not node.store.exists((NS, node.moved)) and node.store.exists((NS, node.kept))
+    finally:
+        local.stop()
+
+
+def test_store_guards_are_checked_under_the_lock_as_writes_land():
+    s = Store(StoreConfig(mem_bytes=1 << 20, pretouch=False))
+    try:
+        res = [s.reserve(2), s.reserve(2), s.reserve(2)]
+        for r, v in zip(res, (b"aa", b"bb", b"cc")):
+            r.view[:] = v
+        calls = []
+
+        def guard():
+            calls.append(1)
+            return lambda key: key[1] != b"b"
+
+        items = [((NS, k), r, NO_META) for k, r in zip((b"a", b"b", b"c"), res)]
+        assert s.commit_many(items, guard) == [1]
+        assert calls == [1] and read(s, (NS, b"a")) == b"aa" and read(s, (NS, b"c")) == b"cc"
+        assert not s.exists((NS, b"b")) and s.stats()["ram_used"] == 2 * aligned(2)
+        assert s.commit_many([], lambda: None) == []
+        assert s.put((NS, b"b"), b"bb") is Status.OK
+        assert s.delete_many([(NS, b"a"), None, (NS, b"b"), (NS, b"zz")], guard) == [True, None, None, False]
+        assert s.exists((NS, b"b")) and not s.exists((NS, b"a"))
+    finally:
+        s.close()
+
