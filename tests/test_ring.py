@@ -51,6 +51,28 @@ def test_adding_a_node_moves_about_one_over_n_plus_one(n):
     assert all(b == f"node{n}" for a, b, m in zip(o1, o2, moved) if m)
 
 
+def brute_taken_from(before, after, node, keys):
+    return {b for b, a in zip(before.owners("ns", keys), after.owners("ns", keys)) if a == node and b != node}
+
+
+@pytest.mark.parametrize("unit", [1.0, 2.0])
+def test_taken_from_names_exactly_the_nodes_whose_keys_a_node_takes_over(unit):
+    keys = [b"k%d" % i for i in range(20_000)]
+    three = {f"n{i}": 64.0 for i in range(3)}  # 64 or 128 points each
+    before = HashRing(three, RingParams(unit))
+    joined = HashRing({**three, "n3": 128.0}, RingParams(unit))
+    drained = HashRing({"n0": 64.0, "n2": 64.0}, RingParams(unit))
+    assert joined.taken_from(before, "n3") == {"n0", "n1", "n2"} == brute_taken_from(before, joined, "n3", keys)
+    for n in ("n0", "n1", "n2"):  # a join takes nothing from the others
+        assert joined.taken_from(before, n) == set() == brute_taken_from(before, joined, n, keys)
+    for n in ("n0", "n2"):  # a drain of n1: its keys go to the others
+        assert drained.taken_from(before, n) == {"n1"} == brute_taken_from(before, drained, n, keys)
+    assert drained.taken_from(before, "n1") == set()  # not in the ring: takes nothing
+    # a new unit drops points of nodes that stay: each takes some keys from the others
+    coarser = HashRing(three, RingParams(unit / 4))
+    assert coarser.taken_from(before, "n0") == brute_taken_from(before, coarser, "n0", keys) == {"n1", "n2"}
+
+
 def test_deterministic_and_order_independent():
     a = HashRing({"x": 1.0, "y": 2.0, "z": 1.0})
     b = HashRing({"z": 1.0, "y": 2.0, "x": 1.0})

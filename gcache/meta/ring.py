@@ -157,6 +157,19 @@ class HashRing:
         pos[pos == len(self._points)] = 0
         return (self._points[pos] & _INDEX_MASK).astype(np.intp)
 
+    def taken_from(self, before: HashRing, node: str) -> set[str]:
+        """The other nodes that ``before`` gave some hash this ring gives to ``node`` (whose
+        keys ``node`` takes over in the change from ``before`` to this ring)."""
+        if node not in self.node_ids or not before.node_ids:
+            return set()
+        # every maximal run of hashes with one owner in both rings starts at a point of either;
+        # a point's low bits name its owner's index, which differs between the rings: look just
+        # past them (the hashes in between, 2**-52 of the space per point, are not worth a gate)
+        cuts = np.unique(np.concatenate([before._points, self._points, np.zeros(1, _U64)]) | _INDEX_MASK)
+        mine = cuts[self.owner_indices(cuts) == self.node_ids.index(node)]
+        was = {before.node_ids[i] for i in np.unique(before.owner_indices(mine)).tolist()} if len(mine) else set()
+        return was - {node}
+
     def owners(self, namespace: str, keys: Sequence[bytes]) -> list[str]:
         """Owner node id of each key."""
         prefix, h = namespace.encode() + b"\0", xxhash.xxh3_64_intdigest  # key_hash, inlined per key

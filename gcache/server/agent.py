@@ -39,6 +39,7 @@ from gcache.tier.store import Store
 log = logging.getLogger("gcache.agent")
 OWNING = ("up", "suspect")
 PROBE_REUSE_S = 0.1  # a peer's question is answered from a master round that started this recently
+WRITE_WAIT_S = 1.0  # a write waits at most this long for this node to catch up or to take keys over
 
 
 class Agent:
@@ -60,6 +61,10 @@ class Agent:
         # (epoch, ring) this node routes by: the newest membership whose ring is built. Read as one
         # tuple; it trails ``epoch`` while a ring is being built.
         self.routing: tuple[int, HashRing | None] = (-1, None)
+        # (ring routed by before a change, set once the nodes that lost keys in it route by the
+        # new one): writes of keys this node took over wait for it (``writable``)
+        self._gates: list[tuple[HashRing | None, threading.Event]] = []
+        self.write_waits = 0  # writes that waited for this node to catch up or for a takeover
         self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
         self._ring_cond = threading.Condition()
         self._last_tick = 0.0
@@ -71,6 +76,7 @@ class Agent:
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
         self.mode = Mode.REGISTERING
+        self._transition: dict[str, Any] | None = None  # the newest membership's open handover
         self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
         self.round_timeout_s = min(0.5, heartbeat_s)
@@ -84,11 +90,33 @@ class Agent:
         return (self.left or not self._registered.is_set()
                 or time.monotonic() - self._last_tick > self.fence_after_s)
 
-    def owns(self, namespace: str, key: bytes) -> bool:
-        return self.owns_by(self.routing[1], namespace, key)
-
     def owns_by(self, ring: HashRing | None, namespace: str, key: bytes) -> bool:
-        return ring is None or self.node_id not in ring.node_ids or ring.owner(namespace, key) == self.node_id
+        """Whether ``ring`` gives ``key`` to this node (a draining node, not in the ring, owns
+        nothing: an old-epoch client is sent to the key's new owner, and falls back here)."""
+        return ring is None or ring.owner(namespace, key) == self.node_id
+
+    def writable(self, namespace: str, keys: list, client_epoch: int | None) -> bool:
+        """Before a write: wait (up to ``WRITE_WAIT_S``) until this node routes by the client's
+        epoch if the client knows a newer one, and until the previous owners of any of ``keys``
+        this node took over in a change they have not confirmed yet route by it too (a node
+        taking over a draining node's keys; gates opened by ``_install_ring``). Otherwise a
+        client that has not heard of the change could still read the old copy on the previous
+        owner after this write was acknowledged. False: not in time (refuse the write)."""
+        deadline = time.monotonic() + WRITE_WAIT_S
+        if client_epoch is not None and client_epoch > self.routing[0]:
+            self.note_epoch(client_epoch)
+            self.write_waits += 1
+            with self._changed:
+                if not self._changed.wait_for(lambda: self.routing[0] >= client_epoch or self._stop.is_set(),
+                                              deadline - time.monotonic()) or self._stop.is_set():
+                    return False
+        for ring, confirmed in self._gates:
+            if confirmed.is_set() or all(self.owns_by(ring, namespace, k) for k in keys if type(k) is bytes):
+                continue
+            self.write_waits += 1
+            if not confirmed.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     def note_epoch(self, epoch: int) -> None:
         """A client saw a newer epoch than ours: refresh soon."""
@@ -152,15 +180,19 @@ class Agent:
         neither answers nor learns it within fence-after has fenced itself by then (it cannot
         reach the leader)."""
         t = m.get("transition") or {}
-        prev = {r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}
+        self._confirm({r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}, self.epoch)
+
+    def _confirm(self, prev: dict[str, str], epoch: int) -> None:
+        """Announce ``epoch`` to ``prev`` until each says it routes by it, or fence-after passed
+        (one that cannot be told cannot reach the leader either: it has fenced by then)."""
         deadline = time.monotonic() + self.fence_after_s
         while prev and not self._stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("previous owners %s did not confirm epoch %d within fence-after (%.1fs); serving: "
-                            "they are fenced by now", sorted(prev), self.epoch, self.fence_after_s)
+                log.warning("previous owners %s did not confirm epoch %d within fence-after (%.1fs); going on: "
+                            "they are fenced by now", sorted(prev), epoch, self.fence_after_s)
                 return
-            for node in announce_epoch(prev, self.epoch, self.token, min(0.5, remaining)):
+            for node in announce_epoch(prev, epoch, self.token, min(0.5, remaining)):
                 del prev[node]
             if prev:
                 self._stop.wait(min(0.02, max(0.0, deadline - time.monotonic())))
@@ -302,12 +334,50 @@ class Agent:
                 self._changed.notify_all()
 
     def _install_ring(self, membership: Membership, ring: HashRing | None) -> None:
+        before = self.routing[1]
+        taken = self._taken_over(before, ring)
         with self._lock:
             if membership.epoch < self.routing[0]:
                 return
+            if self.routing[1] is not before:  # another ring came in meanwhile: assume the worst
+                before, taken = self.routing[1], None
+            losing = self._losing(membership, taken)
+            if losing:
+                confirmed = threading.Event()
+                self._gates = [*self._gates, (before, confirmed)]
             self.routing = (membership.epoch, ring)
+        if losing:
+            threading.Thread(target=self._close_gate, args=(losing, membership.epoch, confirmed),
+                             name="gcache-takeover", daemon=True).start()
         with self._changed:
             self._changed.notify_all()
+
+    def _taken_over(self, before: HashRing | None, ring: HashRing | None) -> set[str] | None:
+        """The nodes whose keys this node takes over from ``before`` to ``ring`` while a handover
+        is open (None: not known, assume any); computed off the lock (a big ring takes ~0.1 s)."""
+        if self._transition is None or before is None or ring is None:
+            return None
+        return ring.taken_from(before, self.node_id)
+
+    def _losing(self, membership: Membership, taken: set[str] | None) -> dict[str, str]:
+        """Lock held: the nodes this node takes keys over from (``taken``, None: any) in the
+        change to ``membership`` that may still serve them by the old ring (the handover's
+        pending nodes), when this node serves and routed by a ring before (a registering node
+        waits for them in _register instead)."""
+        t = self._transition
+        if t is None or self.routing[0] < 0 or not self._registered.is_set():
+            return {}
+        addresses = {n.node_id: n.address for n in membership.nodes}
+        return {n: addresses[n] for n in t["pending"]
+                if n != self.node_id and n in addresses and (taken is None or n in taken)}
+
+    def _close_gate(self, losing: dict[str, str], epoch: int, confirmed: threading.Event) -> None:
+        try:
+            self._confirm(losing, epoch)
+        finally:
+            confirmed.set()
+            with self._lock:
+                self._gates = [g for g in self._gates if g[1] is not confirmed]
 
     def _ring_loop(self) -> None:
         """Builds the ring of the newest membership, once per epoch (skipping any that were
@@ -329,7 +399,7 @@ class Agent:
         while not self._stop.is_set():
             with self._changed:
                 self._changed.wait(1.0)
-            t = getattr(self, "_transition", None)
+            t = self._transition
             if t is None or self.node_id not in t["pending"] or t["epoch"] <= done_epoch or self.fenced:
                 continue
             if self.routing[0] < int(t["epoch"]):  # hand over by the ring of that epoch, once built

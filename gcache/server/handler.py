@@ -277,6 +277,14 @@ class Handler:
 
         return guard
 
+    def _write_keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
+        """_keys_status for a client's write, once this node may take it (Agent.writable)."""
+        agent = self.agent
+        if agent is not None and not agent.writable(ns, keys, self.routed[0] if self.routed else None):
+            raise Refused(ErrorCode.FENCED, f"node {self.node_id} is taking over keys from nodes that have not "
+                                            "confirmed the change yet; treat it as unavailable for now")
+        return self._keys_status(ns, keys)
+
     def _keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
         """Per key: BAD_KEY or NOT_OWNER for a key this request must not touch, else None (the
         key check inlined in one comprehension: no call per key)."""
@@ -307,7 +315,7 @@ class Handler:
         # makes room by evicting its own earlier (committed) values, as one key at a time would.
         chunk_limit = min(PUT_CHUNK_BYTES, self.store.arena.size // 16)
         chunk: list[tuple[int, Reservation]] = []  # reserved, not yet received and committed
-        refused = self._keys_status(ns, keys)
+        refused = self._keys_status(ns, keys) if handover else self._write_keys_status(ns, keys)
         start = 0
         got: list[Reservation | Status | None] = []  # the run's reservations...
         k = 0  # ...of which got[k:] are not in chunk yet
@@ -441,7 +449,7 @@ class Handler:
     def _delete(self, meta: dict[str, Any]) -> dict[str, Any]:
         ns, keys = self._ns_keys(meta)
         log_ = self.agent.touchlog if self.agent is not None else None
-        refused = self._keys_status(ns, keys)
+        refused = self._write_keys_status(ns, keys)
         if log_ is not None:
             for k, r in zip(keys, refused):
                 if r is None:

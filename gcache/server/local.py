@@ -190,7 +190,7 @@ class LocalHandler(Handler):
         offs: list[int] = []
         reservations: list[tuple[bytes, Reservation | None]] = []
         log_ = self.agent.touchlog if self.agent is not None else None
-        refused = self._keys_status(ns, keys)
+        refused = self._write_keys_status(ns, keys)
         if log_ is not None:
             for key, r in zip(keys, refused):
                 if r is None:

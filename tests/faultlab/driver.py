@@ -185,6 +185,8 @@ class Driver:
             return {"owners": self.client.owners(cmd["keys"]), "epoch": self.client.membership.epoch}
         if op == "status":
             return self._status(cmd["master"])
+        if op == "drain":
+            return self._master_call(cmd["master"], "Drain", {"node": cmd["node"]})
         if op == "raw":
             return self._raw(cmd["address"], cmd.get("keys", ["k0"]), cmd.get("timeout", 0.3))
         if op == "bench":
@@ -192,9 +194,12 @@ class Driver:
         raise ValueError(f"unknown command {op!r}")
 
     def _status(self, address: str) -> dict[str, Any]:
+        return self._master_call(address, "Status", {})
+
+    def _master_call(self, address: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
         mc = MasterClient([address], self.token, timeout_s=0.5)
         try:
-            return mc.call("Status", {}, timeout_s=0.5)
+            return mc.call(method, args, timeout_s=0.5)
         except GCacheError as exc:
             return {"error": str(exc)}
         finally:

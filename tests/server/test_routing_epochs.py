@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+import gcache.server.agent as agent_mod
+from gcache.errors import ServerError
 from gcache.meta.membership import Membership
 from gcache.meta.nodetable import NodeTable
 from gcache.net.stream import PolledSocketStream, SocketStream
@@ -31,42 +33,80 @@ from gcache.tier.allocator import aligned
 from gcache.tier.store import Store, StoreConfig
 from gcache.tier.valuemeta import NO_META
 from gcache.transport import Connection
-from tests.conftest import read
+from tests.conftest import poll, read
 from tests.server.memory_daemon import serve_then_close
 
 GiB = 1 << 30
 NS = "ns"
 
 
-def memberships():
+def register(t, i):
+    t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB})
+
+
+def join():
     """n0 and n1, then n2 joins: (before, after) as the masters publish them."""
     t = NodeTable()
-    for i in range(3):
-        t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB})
-        if i == 1:
-            before = t.membership()
+    for i in range(2):
+        register(t, i)
+    before = t.membership()
+    register(t, 2)
     return before, t.membership()
 
 
-class Node:
-    """n0 with an agent at the ``before`` epoch, serving connections over socket pairs."""
+def drain():
+    """n0, n1 and n2 settled, then n1 is drained: (before, after)."""
+    t = NodeTable()
+    for i in range(3):
+        register(t, i)
+    for n in t.membership()["transition"]["pending"]:
+        t.apply({"v": 1, "op": "handover_done", "node": n, "epoch": t.epoch})
+    before = t.membership()
+    assert before["transition"] is None
+    t.apply({"v": 1, "op": "drain", "node": "n1"})
+    return before, t.membership()
+
+
+class Announced:
+    """Stands in for announce_epoch: the peers confirm only once ``allow`` is set."""
 
     def __init__(self):
-        self.before, self.after = memberships()
+        self.allow = threading.Event()
+        self.asked = 0
+
+    def __call__(self, peers, epoch, token, timeout_s):
+        self.asked += 1
+        if self.allow.is_set():
+            return set(peers)
+        self.allow.wait(timeout_s)
+        return set()
+
+
+class Node:
+    """A node (n0 unless told) with an agent at the ``before`` epoch, serving connections over
+    socket pairs; ``moved`` is a key it owns before the change and not after, ``kept`` one it
+    owns throughout, ``gained`` one it owns only after."""
+
+    def __init__(self, change=join, node_id="n0"):
+        self.before, self.after = change()
         self.e1, self.e2 = self.before["epoch"], self.after["epoch"]
         assert self.e2 > self.e1 and self.after["transition"] is not None
         self.store = Store(StoreConfig(mem_bytes=16 << 20, pretouch=False))
-        self.agent = Agent(None, "n0", "n0:1", GiB, self.store, None, put=lambda *a: [])  # type: ignore[arg-type]
+        self.agent = Agent(None, node_id, f"{node_id}:1", GiB, self.store, None,  # type: ignore[arg-type]
+                           put=lambda *a: [])
         self.agent._apply_membership(self.before, build_now=True)
         self.agent._registered.set()
         self.agent._last_tick = time.monotonic() + 3600  # holds its lease for the test
-        self.ctx = ServerContext(self.store, "n0", 1 << 20, agent=self.agent)
+        self.ctx = ServerContext(self.store, node_id, 1 << 20, agent=self.agent)
         ring1 = Membership.from_master(self.before).build_ring()
         ring2 = Membership.from_master(self.after).build_ring()
-        keys = [b"k%d" % i for i in range(200)]
-        # moved: n0's before the join, n2's after; kept: n0's throughout
-        self.moved = next(k for k in keys if ring1.owner(NS, k) == "n0" and ring2.owner(NS, k) == "n2")
-        self.kept = next(k for k in keys if ring1.owner(NS, k) == "n0" and ring2.owner(NS, k) == "n0")
+        keys = [b"k%d" % i for i in range(400)]
+
+        def key(was, now):
+            return next((k for k in keys if (ring1.owner(NS, k) == node_id) == was
+                         and (ring2.owner(NS, k) == node_id) == now), None)
+
+        self.moved, self.kept, self.gained = key(True, False), key(True, True), key(False, True)
         self.threads, self.conns = [], []
 
     def learn_epoch(self):
@@ -99,7 +139,15 @@ class Node:
 
 
 @pytest.fixture
-def node():
+def announced(monkeypatch):
+    fake = Announced()
+    monkeypatch.setattr(agent_mod, "announce_epoch", fake)
+    yield fake
+    fake.allow.set()
+
+
+@pytest.fixture
+def node(announced):
     n = Node()
     yield n
     n.close()
@@ -152,11 +200,73 @@ def test_a_put_admitted_under_the_old_ring_does_not_land_a_moved_key(node):
     assert node.store.stats()["ram_used"] == aligned(3)  # the refused key's slot was given back
 
 
-def test_a_client_that_routed_by_the_new_epoch_is_not_checked_again(node):
+def in_thread(fn, *args):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=fn(*args)), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_write_from_a_client_ahead_waits_until_this_node_routes_by_its_epoch(node):
     c = node.connect()
-    change_ring_on_first_touch(node)
-    st = call(c, Op.PUT, {"ns": NS, "keys": [node.kept], "sizes": [3], "ep": node.e2}, b"new")
-    assert st["st"] == [Status.OK]
+    t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [node.kept], "sizes": [3], "ep": node.e2}, b"new")
+    assert poll(lambda: node.agent.write_waits == 1, 5)
+    assert not node.store.exists((NS, node.kept))
+    node.learn_epoch()
+    node.build_ring()
+    t.join(5)
+    assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, node.kept)) == b"new"
+
+
+def test_a_write_from_a_client_ahead_is_refused_if_this_node_cannot_catch_up(node, monkeypatch):
+    monkeypatch.setattr(agent_mod, "WRITE_WAIT_S", 0.2)
+    c = node.connect()
+    with pytest.raises(ServerError, match="taking over"):
+        call(c, Op.DELETE, {"ns": NS, "keys": [node.kept], "ep": node.e2})
+    # the connection is still in step: the next request is served
+    assert call(c, Op.EXISTS, {"ns": NS, "keys": [node.kept], "ep": node.e1})["st"] == [Status.NOT_FOUND]
+
+
+def test_a_node_taking_over_a_draining_nodes_keys_acknowledges_their_writes_once_it_confirmed(announced):
+    node = Node(drain, "n0")
+    try:
+        assert node.gained is not None and node.kept is not None
+        c = node.connect()
+        node.learn_epoch()
+        node.build_ring()  # the gate opens: n1 has not said it routes by the drain's epoch yet
+        # a key n0 had all along is written at once
+        put = {"ns": NS, "sizes": [3], "ep": node.e2}
+        assert call(c, Op.PUT, {**put, "keys": [node.kept]}, b"kkk")["st"] == [Status.OK]
+        assert node.agent.write_waits == 0
+        # one it takes over from n1 waits: an old-epoch client may still read n1's copy meanwhile
+        t, out = in_thread(call, c, Op.PUT, {**put, "keys": [node.gained]}, b"ggg")
+        assert poll(lambda: node.agent.write_waits == 1, 5)
+        assert not node.store.exists((NS, node.gained))
+        announced.allow.set()  # n1 routes by the new ring: it sends old-epoch clients here
+        t.join(5)
+        assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, node.gained)) == b"ggg"
+        assert poll(lambda: not node.agent._gates, 5)
+    finally:
+        node.close()
+
+
+def test_a_draining_node_sends_old_epoch_clients_to_the_new_owner_and_serves_fallbacks(announced):
+    node = Node(drain, "n1")  # the draining node itself
+    try:
+        assert node.moved is not None
+        assert node.store.put((NS, node.moved), b"old") is Status.OK
+        c = node.connect()
+        node.learn_epoch()
+        node.build_ring()
+        assert not node.agent._gates  # it loses keys, it takes none over
+        assert call(c, Op.GET, {"ns": NS, "keys": [node.moved], "ep": node.e1})["st"] == [Status.NOT_OWNER]
+        assert call(c, Op.PUT, {"ns": NS, "keys": [node.moved], "sizes": [3], "ep": node.e1},
+                    b"new")["st"] == [Status.NOT_OWNER]
+        # a client on the new epoch that missed on the new owner falls back here
+        assert call(c, Op.GET, {"ns": NS, "keys": [node.moved], "ep": node.e2, "fb": 1})["st"] == [Status.OK]
+        assert read(node.store, (NS, node.moved)) == b"old"
+    finally:
+        node.close()
 
 
 def test_a_delete_admitted_under_the_old_ring_leaves_a_moved_key_to_the_handover(node):
