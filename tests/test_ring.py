@@ -11,7 +11,7 @@ import xxhash
 from gcache.errors import ConfigError
 from gcache.meta.membership import Membership, Node
 from gcache.meta.nodetable import GiB, NodeTable
-from gcache.meta.ring import BUDGET, MAX_UNIT, HashRing, RingParams, xxh3_16
+from gcache.meta.ring import BUDGET, MAX_NODES, MAX_UNIT, HashRing, RingParams, xxh3_16
 
 KEYS = [f"page-{i}".encode() for i in range(100_000)]
 
@@ -71,6 +71,29 @@ def test_taken_from_names_exactly_the_nodes_whose_keys_a_node_takes_over(unit):
     # a new unit drops points of nodes that stay: each takes some keys from the others
     coarser = HashRing(three, RingParams(unit / 4))
     assert coarser.taken_from(before, "n0") == brute_taken_from(before, coarser, "n0", keys) == {"n1", "n2"}
+
+
+def reference_taken_from(before, after, node):
+    """taken_from evaluated on every run of hashes between the two rings' points (slow, plain)."""
+    mask = np.uint64(MAX_NODES - 1)  # a point's low bits: its owner's index (compared past them)
+    cuts = np.unique(np.concatenate([before._points, after._points, np.zeros(1, np.uint64)]) | mask)
+    mine = cuts[after.owner_indices(cuts) == after.node_ids.index(node)]
+    return {before.node_ids[i] for i in np.unique(before.owner_indices(mine)).tolist()} - {node} if len(mine) else set()
+
+
+def test_taken_from_agrees_with_a_plain_reference_on_random_changes():
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        names = [f"n{i}" for i in range(int(rng.integers(1, 7)))]
+        unit = float(rng.choice([1.0, 2.0, 4.0]))
+        before = HashRing({n: float(rng.integers(1, 40)) for n in names}, RingParams(unit))
+        kept = [n for n in names if rng.random() < 0.8] or names[:1]
+        after_w = {n: float(rng.integers(1, 40)) for n in kept}
+        if rng.random() < 0.5:
+            after_w["new"] = float(rng.integers(1, 40))
+        after = HashRing(after_w, RingParams(float(rng.choice([unit, unit / 2]))))
+        for node in after.node_ids:
+            assert after.taken_from(before, node) == reference_taken_from(before, after, node), (before, after, node)
 
 
 def test_deterministic_and_order_independent():

@@ -355,7 +355,7 @@ class Agent:
     def _taken_over(self, before: HashRing | None, ring: HashRing | None) -> set[str] | None:
         """The nodes whose keys this node takes over from ``before`` to ``ring`` while a handover
         is open (None: not known, assume any); computed off the lock (a big ring takes ~0.1 s)."""
-        if self._transition is None or before is None or ring is None:
+        if self._transition is None or before is None or ring is None or not self._registered.is_set():
             return None
         return ring.taken_from(before, self.node_id)
 
