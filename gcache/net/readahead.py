@@ -21,7 +21,7 @@ READ_AHEAD = 8 << 10  # per connection: the metadata of a batch of ~100 keys
 class ReadAheadStream:
     """``stream`` with a read-ahead buffer of ``size`` bytes (see the module's doc)."""
 
-    __slots__ = ("_buf", "_r0", "_r1", "_recv", "_recvmsg", "close", "fileno", "gettimeout", "inner",
+    __slots__ = ("_buf", "_r0", "_r1", "_recv", "_recvmsg", "close", "fileno", "gettimeout", "hung_up", "inner",
                  "pollable", "sendmsg", "setblocking", "settimeout", "shutdown")
 
     def __init__(self, stream: Stream, size: int = READ_AHEAD) -> None:
@@ -38,6 +38,7 @@ class ReadAheadStream:
         self.fileno = stream.fileno
         self.shutdown = stream.shutdown
         self.close = stream.close
+        self.hung_up = stream.hung_up
 
     def __repr__(self) -> str:
         return f"ReadAheadStream({self.inner!r}, buffered={self._r1 - self._r0})"

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut down or closed its end (Linux)
 LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 
 Buffer = bytes | bytearray | memoryview
@@ -58,13 +59,17 @@ class Stream(Protocol):
     def idle_ok(self) -> bool:
         """For a pooled idle stream: nothing to read and the peer still there."""
 
+    def hung_up(self) -> bool:
+        """The peer closed or reset its end. What it sent before stays readable after that, so a
+        daemon may read a whole request and serve it after its client gave up on it."""
+
 
 class SocketStream:
     """A Stream over a socket. The socket's own methods are bound as attributes, so a call
     through the seam costs exactly what a call on the socket costs."""
 
     pollable = True
-    __slots__ = ("close", "fileno", "gettimeout", "recv_into", "recvmsg_into", "sendmsg", "setblocking",
+    __slots__ = ("_hup", "close", "fileno", "gettimeout", "recv_into", "recvmsg_into", "sendmsg", "setblocking",
                  "settimeout", "shutdown", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
@@ -78,9 +83,17 @@ class SocketStream:
         self.fileno = sock.fileno
         self.shutdown = sock.shutdown
         self.close = sock.close
+        self._hup: select.poll | None = None
 
     def __repr__(self) -> str:
         return f"SocketStream({self.peer()})"
+
+    def hung_up(self) -> bool:
+        poller = self._hup
+        if poller is None:  # POLLHUP and POLLERR (a reset) are reported without asking
+            poller = self._hup = select.poll()
+            poller.register(self.sock, POLLRDHUP)
+        return bool(poller.poll(0))
 
     def abort(self) -> None:
         try:

@@ -45,6 +45,10 @@ JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits
 PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much
 
 
+def _refuse(_key: tuple[str, bytes]) -> bool:
+    return False
+
+
 def value_meta_list(got: list[Hit | None]) -> list:
     """The "vm" field of a GET / LGET reply: each hit's metadata record (None for a miss)."""
     return [h.meta.to_wire() if h is not None else None for h in got]
@@ -258,18 +262,28 @@ class Handler:
         self.routed = (ep, ring_epoch)
         return functools.partial(agent.owns_by, ring) if ep < ring_epoch else None
 
-    def write_guard(self, routed: tuple[int, int] | None) -> Guard | None:
-        """For a write admitted by the owner check of ``routed``: a store guard that, as the write
-        lands (under the store lock), checks its keys again if this node has since built a newer
-        ring than both the client's epoch and the ring of that check. Without it a write admitted
-        just before the ring changed could land after this node's handover read the key's old
-        value and pushed it to the new owner, which would then serve that old value."""
+    def write_guard(self, routed: tuple[int, int] | None) -> Guard:
+        """For a write admitted by the owner check of ``routed``: a store guard, checked as the
+        write lands (under the store lock), that refuses it
+
+        - whole, if the client has closed or reset the connection meanwhile: it gave up on this
+          write (timed out) and may have written the key again elsewhere or on another
+          connection since, so landing now could put an older value over an acknowledged newer
+          one (a request read just before the daemon stalled, or while it waited in writable());
+        - per key, if this node has since built a newer ring than both the client's epoch and
+          the ring of that check, for keys it no longer owns: a write admitted just before the
+          ring changed could otherwise land after this node's handover read the key's old value
+          and pushed it to the new owner, which would then serve that old value."""
         agent = self.agent
-        if routed is None or agent is None:
-            return None
-        client_epoch, checked = routed
+        hung_up = self.stream.hung_up
 
         def guard() -> Callable[[tuple[str, bytes]], bool] | None:
+            if hung_up():
+                self.store.counters["writes_abandoned"] += 1  # the guard runs under the store lock
+                return _refuse
+            if routed is None or agent is None:
+                return None
+            client_epoch, checked = routed
             ring_epoch, ring = agent.routing
             if ring_epoch == checked or client_epoch >= ring_epoch:
                 return None

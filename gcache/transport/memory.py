@@ -95,6 +95,10 @@ class MemoryStream:
     def fileno(self) -> int:
         return self._fd
 
+    def hung_up(self) -> bool:
+        with _cond:
+            return self._eof or self._peer is None or self._peer._closed
+
     def shutdown(self, how: int, /) -> None:
         with _cond:
             if self._peer is not None:

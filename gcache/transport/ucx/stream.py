@@ -210,6 +210,10 @@ class UcxStream:
             return True
         return any(fd == self._wfd for fd, _ev in self._poller.poll(0))
 
+    def hung_up(self) -> bool:
+        """The watch connection carries nothing after set-up: readable means the peer is gone."""
+        return self._closed or any(fd == self._wfd for fd, _ev in self._poller.poll(0))
+
     def idle_ok(self) -> bool:
         """An idle connection has nothing to read and its peer is still there."""
         if self._closed:
