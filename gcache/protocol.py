@@ -21,6 +21,10 @@ Membership extras: a PUT with ``"ho": 1`` carries a previous owner's handover co
 where no client wrote or deleted the key); GET/LGET/EXISTS replies may list in ``"tomb"`` the
 positions of misses that are final (no fallback); a PING may carry ``"ep"`` (a newer epoch exists)
 or ``"probe": 1`` (answer ``"lead"``: do you reach the master leader?). See docs/faults.md.
+
+A client that gives up on a request resets the connection (or closes it). A write (PUT, DELETE,
+LCOMMIT) still unlanded when its connection is shut down, closed or reset is dropped, so a client
+must keep its sending side open until it has a write's answer (no half-close).
 """
 
 from __future__ import annotations
