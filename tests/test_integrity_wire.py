@@ -60,3 +60,15 @@ def test_a_short_soak_finds_nothing_wrong(tmp_path):
     assert report.ops > 1000 and report.hits > 100 and report.restarted
     assert report.demotions > 0 and report.disk_hits > 0  # eviction and demotion did run
     assert (report.wrong, report.stale, report.resurrected) == (0, 0, 0)
+
+
+def test_a_soak_whose_clients_give_up_all_the_time_finds_nothing_stale(tmp_path):
+    """Calls time out after 5 ms, so clients keep resetting connections with requests the
+    daemons are still serving and write the keys again: a write given up on may land only
+    before the key's next acknowledged operation (Handler.write_guard)."""
+    from gcache.bench.soak import SoakConfig, run_soak
+
+    report = run_soak(SoakConfig(seconds=12, threads=8, timeout_s=0.005, kill_at=None, root=str(tmp_path / "soak")))
+    print("\n" + report.table())
+    assert report.puts_unknown > 20 and report.puts_acked > 20 and report.hits > 20
+    assert (report.wrong, report.stale, report.resurrected) == (0, 0, 0)

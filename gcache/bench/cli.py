@@ -109,6 +109,9 @@ def _soak_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--keys", type=int, default=2000, help="distinct keys (default %(default)s)")
     s.add_argument("--threads", type=int, default=4,
                    help="client threads, alternately TCP and local shared memory (default %(default)s)")
+    s.add_argument("--timeout", type=float, default=5.0,
+                   help="client call timeout in seconds (default %(default)s; a small one, e.g. 0.02, makes "
+                        "clients give up on requests the daemons are still serving)")
     s.add_argument("--no-kill", action="store_true", help="do not kill -9 and restart a daemon halfway")
     s.add_argument("--seed", type=int, default=1, help="random seed (default %(default)s)")
     s.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON here")

@@ -14,9 +14,11 @@ is classified exactly:
 * **resurrected**: a value (or ``exists`` = True) when the last acknowledged operation on the
   key before the read was a delete.
 
-A value whose write was not acknowledged (the node failed, the call timed out) may still
-appear at any later time: the request may have been applied. Such values are allowed; a
-refused write (FULL) is known not to have happened. A miss is always allowed.
+A value whose write was not acknowledged (the node failed, the call timed out) may appear
+until a later operation on the key is acknowledged: the request may have been applied, but not
+after its client gave up on it (a daemon drops a write whose connection was reset, see
+docs/faults.md), and the key's writer issues its next operation only then. A refused write
+(FULL) is known not to have happened. A miss is always allowed.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ race on the same keys); max_value: largest value (sizes are uniform from 64 byte
     def __post_init__(self) -> None:
         if self.seconds <= 0 or self.threads < 1 or self.keys < self.threads or self.max_value < HEAD.size + 1:
             raise ValueError("soak needs seconds > 0, threads >= 1, keys >= threads, max_value > 24 bytes")
+        if self.timeout_s <= 0:
+            raise ValueError("soak needs a timeout > 0 seconds")
         if self.kill_at is not None and (not 0 < self.kill_at < 1 or self.nodes < 2):
             raise ValueError("kill_at is a fraction of the run in (0, 1), and needs at least 2 nodes")
 
@@ -133,9 +137,10 @@ class KeyStates:
 
     def verdict(self, k: int, wid: int, seen: tuple[int, int]) -> str | None:
         """None if a value with write id ``wid`` may be read for key ``k`` by a read sent when
-        the last acknowledged operation was ``seen``; else 'stale' or 'resurrected'."""
+        the last acknowledged operation was ``seen``; else 'stale' or 'resurrected'. A write
+        with an unknown outcome counts only while it is newer than that operation."""
         lo, kind = seen
-        if wid > lo or (wid == lo and kind == PUT) or wid in self.unknown[k]:
+        if wid > lo or (wid == lo and kind == PUT):
             return None
         return "stale" if kind == PUT else "resurrected"
 
@@ -294,9 +299,11 @@ def run_cli(args) -> int:
 
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
     cfg = SoakConfig(seconds=seconds, nodes=args.nodes, mem=args.mem, disk=args.disk, keys=args.keys,
-                     threads=args.threads, kill_at=None if args.no_kill else 0.5, seed=args.seed)
+                     threads=args.threads, kill_at=None if args.no_kill else 0.5, seed=args.seed,
+                     timeout_s=args.timeout)
     print(f"soak: {cfg.nodes} daemons (arena {cfg.mem}, disk {cfg.disk}), {cfg.keys} keys of up to "
-          f"{cfg.max_value} bytes, {cfg.threads} threads (TCP and local), {seconds:.0f} s", flush=True)
+          f"{cfg.max_value} bytes, {cfg.threads} threads (TCP and local), timeout {cfg.timeout_s} s, {seconds:.0f} s",
+          flush=True)
     report = run_soak(cfg, progress=True)
     print(report.table())
     if args.json:
