@@ -55,9 +55,9 @@ SIM_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_p
                        ("grpc.http2.lookahead_bytes", 16384)]
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    # a connection of its own, as a separate client process would have
-    return grpc.aio.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS, *SIM_CHANNEL_OPTIONS])
+def _channel(address: str, options: list[tuple[str, Any]] = rpc.CLIENT_CHANNEL_OPTIONS) -> grpc.aio.Channel:
+    # a connection of its own, as a separate client (or daemon) process would have
+    return grpc.aio.insecure_channel(address, options=[*options, *SIM_CHANNEL_OPTIONS])
 
 
 def _own_rss() -> int:
@@ -125,7 +125,7 @@ class Daemons:
 
     async def run_one(self, node: str, start_after_s: float) -> None:
         await asyncio.sleep(start_after_s)  # a fleet does not start in the same second
-        chans = {a: _channel(a) for a in self.masters}
+        chans = {a: _channel(a, rpc.CHANNEL_OPTIONS) for a in self.masters}
         await self._register(node, chans, Backoff(0.1, 2.0))
         await asyncio.sleep(random.uniform(0, HEARTBEAT_S))  # daemons do not start in lockstep
         reported = -1

@@ -27,7 +27,7 @@ from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership
-from gcache.meta.rpc import load_token
+from gcache.meta.rpc import CLIENT_CHANNEL_OPTIONS, load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
 from gcache.transport import Transport
@@ -90,7 +90,8 @@ class Client:
                               self.refresh_membership, rate_limited(0.05), cfg.local_min_bytes)
         if isinstance(nodes, str) and nodes.startswith(SCHEME):
             # one round trip: the watch stream's first message is the whole membership
-            masters = MasterClient(nodes, cfg.token, timeout_s=cfg.connect_timeout_s * 2)
+            masters = MasterClient(nodes, cfg.token, timeout_s=cfg.connect_timeout_s * 2,
+                                   channel_options=CLIENT_CHANNEL_OPTIONS)
             self._watcher = MembershipWatcher(masters, self.update_membership).start()
             if not self._watcher.wait_first(self._watcher.attempt_timeout_s * len(masters.addresses) + 1.0):
                 err = self._watcher.error

@@ -55,11 +55,14 @@ def parse_masters(spec: str | list[str]) -> list[str]:
 
 
 class MasterClient:
-    def __init__(self, masters: str | list[str], token: str | None, timeout_s: float = 1.0) -> None:
+    def __init__(self, masters: str | list[str], token: str | None, timeout_s: float = 1.0,
+                 channel_options: list[tuple[str, Any]] = rpc.CHANNEL_OPTIONS) -> None:
+        """``channel_options``: rpc.CHANNEL_OPTIONS (daemons, tools) or rpc.CLIENT_CHANNEL_OPTIONS
+        (a client's membership watch: see there)."""
         self.addresses = parse_masters(masters)
         self.token = token
         self.timeout_s = timeout_s
-        self._channels = {a: grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in self.addresses}
+        self._channels = {a: grpc.insecure_channel(a, options=channel_options) for a in self.addresses}
         self._preferred = random.randrange(len(self.addresses))
         self._lock = threading.Lock()
         self._beats = BeatClient(self.addresses, token) if token else None
