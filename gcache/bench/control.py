@@ -299,6 +299,8 @@ class ControlBench:
         moved = [p.ask("reattach", (dead, t_kill, True)) for p in self.watcher_procs]
         reattach_s = max(m["last_s"] for m in moved)
         each = pct([t for m in moved for t in m["times"]], scale=1.0)
+        noticed = pct([t for m in moved for t in m["noticed"]], scale=1.0)
+        call = pct([t for m in moved for t in m["call"]], scale=1.0)
         self.cluster.restart(leader, master=True)
         self._renice()
         wait_for(lambda: (self._status(dead) or {}).get("leader"), 60, "the restarted master to rejoin")
@@ -311,7 +313,7 @@ class ControlBench:
                  "the watchers to settle after rebalancing")
         time.sleep(1.0)
         return {"leader_s": round(leader_s, 3), "elected_s": round(elected_s, 3), "reattach_s": round(reattach_s, 3),
-                "reattach_each_s": each, "moved": sum(m["moved"] for m in moved)}
+                "reattach_each_s": each, "reattach_noticed_s": noticed, "reattach_call_s": call, "moved": sum(m["moved"] for m in moved)}
 
 
     def masters_agree(self) -> bool:

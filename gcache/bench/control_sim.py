@@ -206,6 +206,8 @@ class Watchers:
         self.attached: list[str | None] = [None] * count  # master each watcher is attached to
         self.attached_at = [0.0] * count  # wall time of its last attach
         self.first_at = [0.0] * count  # wall time of its first membership
+        self.broken_at = [0.0] * count  # wall time its last stream ended (a failover: when it noticed)
+        self.called_at = [0.0] * count  # wall time it started its current call
         self.seen_t: list[list[float]] = [[] for _ in range(count)]  # wall time of each membership...
         self.seen_e: list[list[int]] = [[] for _ in range(count)]  # ...and its epoch
         self.attaches = 0
@@ -247,6 +249,7 @@ class Watchers:
             if ch is None:
                 ch = chans[address] = _channel(address)
             known = self.seen_e[i][-1] if self.seen_e[i] else -1
+            self.called_at[i] = time.time()
             call = self.calls[i] = ch.unary_stream(f"/{rpc.SERVICE}/WatchMembership", request_serializer=rpc.pack)(
                 {"known": known}, metadata=self.md)
             try:
@@ -273,6 +276,7 @@ class Watchers:
                     raise
             delivered = self.attached[i] is not None
             self.attached[i] = None
+            self.broken_at[i] = time.time()
             await chans.pop(address).close()
             if self.move_to[i] is not None:
                 continue  # rebalancing: straight to the master picked
@@ -306,8 +310,12 @@ class Watchers:
             pending = sum(a is None or a == dead for a in self.attached)
             if not times:
                 return {"pending": pending}
-            moved = [t - t_kill for t in self.attached_at if t > t_kill]
-            return {"pending": pending, "moved": len(moved), "last_s": max(moved, default=0.0), "times": moved}
+            moved = [i for i, t in enumerate(self.attached_at) if t > t_kill]
+            times = [self.attached_at[i] - t_kill for i in moved]
+            return {"pending": pending, "moved": len(moved), "last_s": max(times, default=0.0), "times": times,
+                    # when each noticed its stream had ended, and how long its new call took to deliver
+                    "noticed": [self.broken_at[i] - t_kill for i in moved],
+                    "call": [self.attached_at[i] - self.called_at[i] for i in moved]}
         if cmd == "propagation":  # arg: [(epoch, t0)]: seconds until each watcher saw that epoch or later
             lats: list[list[float]] = []
             for epoch, t0 in arg:
