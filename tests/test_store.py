@@ -64,6 +64,19 @@ def test_commit_many_publishes_in_order_and_gives_back_what_follows_a_failure(ra
     s.commit_many([(("ns", b"a"), s.reserve(100), NO_META), (("ns", b"b"), s.reserve(200), NO_META)])
     assert s.exists(("ns", b"a")) and s.exists(("ns", b"b")) and s.stats()["puts"] == 3
 
+
+def test_commit_many_gives_every_reservation_back_when_its_guard_fails(ram_store):
+    s = ram_store
+    res = [s.reserve(4 * KB) for _ in range(3)]
+
+    def guard():
+        raise ValueError("the connection was closed under the check")
+
+    with pytest.raises(ValueError):
+        s.commit_many([(("ns", b"k%d" % i), r, NO_META) for i, r in enumerate(res)], guard)
+    assert s.stats()["ram_used"] == 0 and not any(s.exists(("ns", b"k%d" % i)) for i in range(3))
+
+
 def test_ttl_expiry(ram_store):
     ram_store.put(("ns", b"short"), b"v", ttl_s=0.05)
     ram_store.put(("ns", b"long"), b"v")

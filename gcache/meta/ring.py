@@ -139,6 +139,11 @@ class HashRing:
     def points(self) -> int:
         return len(self._points)
 
+    def same_as(self, other: HashRing) -> bool:
+        """Whether ``other`` maps every key the same way (same nodes, weights and parameters:
+        the points follow from those)."""
+        return self.node_ids == other.node_ids and self.weights == other.weights and self.params == other.params
+
     def shares(self) -> dict[str, float]:
         """Each node's exact fraction of the hash space (what its share of keys tends to)."""
         if not self.node_ids:

@@ -90,10 +90,13 @@ class SocketStream:
 
     def hung_up(self) -> bool:
         poller = self._hup
-        if poller is None:  # POLLHUP and POLLERR (a reset) are reported without asking
-            poller = self._hup = select.poll()
-            poller.register(self.sock, POLLRDHUP)
-        return bool(poller.poll(0))
+        try:
+            if poller is None:  # POLLHUP and POLLERR (a reset) are reported without asking
+                poller = self._hup = select.poll()
+                poller.register(self.sock, POLLRDHUP)
+            return bool(poller.poll(0))
+        except (ValueError, OSError):  # closed here meanwhile: gone all the same
+            return True
 
     def abort(self) -> None:
         try:

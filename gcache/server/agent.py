@@ -15,8 +15,10 @@
   disk only if its previous incarnation was still up (no other node owned its ranges).
 * Handover: whenever a membership arrives in which this node must hand keys over (a node joined
   and took some of its ranges, or this node is draining), it pushes every key it no longer owns
-  to the new owner, hottest first, deletes it locally once stored there, and reports
-  ``HandoverDone``. Until then clients fall back to it on a miss.
+  to the new owner, hottest first, deletes it locally (stored there or not: a copy kept could
+  be served again once the ring gives the key back), and reports ``HandoverDone``. Until then
+  clients fall back to it on a miss. A node that gains keys drops the copies it still holds of
+  them before it routes by the new ring (gcache.server.handover.held_gained).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from gcache.errors import GCacheError
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
-from gcache.server.handover import PutFn, hand_over
+from gcache.server.handover import PutFn, hand_over, held_gained
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
 from gcache.server.vouch import PeerAsk, announce_epoch
@@ -66,6 +68,7 @@ class Agent:
         self._gates: list[tuple[HashRing | None, threading.Event]] = []
         self.write_waits = 0  # writes that waited for this node to catch up or for a takeover
         self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
+        self._install_lock = threading.Lock()  # one ring change at a time (_install_ring)
         self._ring_cond = threading.Condition()
         self._last_tick = 0.0
         self._registered = threading.Event()
@@ -79,10 +82,18 @@ class Agent:
         self._transition: dict[str, Any] | None = None  # the newest membership's open handover
         self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
+        self.dropped_gained = 0  # copies of keys this node gained, held from before another node owned them
         self.round_timeout_s = min(0.5, heartbeat_s)
         self._probe_lock = threading.Lock()  # guards _last_round
         self._probe_round = threading.Lock()  # one master round at a time for peers' probes
         self._last_round: tuple[float, bool] = (-1e9, False)  # (sent at, a leader answered)
+
+    def counters(self) -> dict[str, int]:
+        """For STATS: handovers done and keys they moved, keys dropped as held from before (a
+        rejoin; copies of keys taken back), writes that waited for this node."""
+        return {"handovers": self.handovers, "keys_handed_over": self.keys_handed_over,
+                "dropped_on_rejoin": self.dropped_keys, "dropped_gained": self.dropped_gained,
+                "write_waits": self.write_waits}
 
     # -- what the data plane asks -----------------------------------------------------------
     @property
@@ -95,6 +106,18 @@ class Agent:
         nothing: an old-epoch client is sent to the key's new owner, and falls back here)."""
         return ring is None or ring.owner(namespace, key) == self.node_id
 
+    def caught_up(self, client_epoch: int | None, deadline: float | None = None) -> bool:
+        """Wait (until ``deadline``, by default ``WRITE_WAIT_S``) until this node routes by
+        ``client_epoch`` or a newer one; False if not in time."""
+        if client_epoch is None or client_epoch <= self.routing[0]:
+            return True
+        deadline = time.monotonic() + WRITE_WAIT_S if deadline is None else deadline
+        self.note_epoch(client_epoch)
+        self.write_waits += 1
+        with self._changed:
+            return self._changed.wait_for(lambda: self.routing[0] >= client_epoch or self._stop.is_set(),
+                                          deadline - time.monotonic()) and not self._stop.is_set()
+
     def writable(self, namespace: str, keys: list, client_epoch: int | None) -> bool:
         """Before a write: wait (up to ``WRITE_WAIT_S``) until this node routes by the client's
         epoch if the client knows a newer one, and until the previous owners of any of ``keys``
@@ -103,13 +126,8 @@ class Agent:
         client that has not heard of the change could still read the old copy on the previous
         owner after this write was acknowledged. False: not in time (refuse the write)."""
         deadline = time.monotonic() + WRITE_WAIT_S
-        if client_epoch is not None and client_epoch > self.routing[0]:
-            self.note_epoch(client_epoch)
-            self.write_waits += 1
-            with self._changed:
-                if not self._changed.wait_for(lambda: self.routing[0] >= client_epoch or self._stop.is_set(),
-                                              deadline - time.monotonic()) or self._stop.is_set():
-                    return False
+        if not self.caught_up(client_epoch, deadline):
+            return False
         for ring, confirmed in self._gates:
             if confirmed.is_set() or all(self.owns_by(ring, namespace, k) for k in keys if type(k) is bytes):
                 continue
@@ -334,23 +352,43 @@ class Agent:
                 self._changed.notify_all()
 
     def _install_ring(self, membership: Membership, ring: HashRing | None) -> None:
+        with self._install_lock:
+            self._install_ring_locked(membership, ring)
+
+    def _install_ring_locked(self, membership: Membership, ring: HashRing | None) -> None:
         before = self.routing[1]
+        if membership.epoch < self.routing[0]:
+            return
         taken = self._taken_over(before, ring)
+        self._drop_gained(before, ring)
         with self._lock:
-            if membership.epoch < self.routing[0]:
-                return
-            if self.routing[1] is not before:  # another ring came in meanwhile: assume the worst
-                before, taken = self.routing[1], None
             losing = self._losing(membership, taken)
             if losing:
                 confirmed = threading.Event()
                 self._gates = [*self._gates, (before, confirmed)]
             self.routing = (membership.epoch, ring)
         if losing:
-            threading.Thread(target=self._close_gate, args=(losing, membership.epoch, confirmed),
-                             name="gcache-takeover", daemon=True).start()
+            try:
+                threading.Thread(target=self._close_gate, args=(losing, membership.epoch, confirmed),
+                                 name="gcache-takeover", daemon=True).start()
+            except RuntimeError:  # no thread to be had: confirm here (the ring thread waits)
+                self._close_gate(losing, membership.epoch, confirmed)
         with self._changed:
             self._changed.notify_all()
+
+    def _drop_gained(self, before: HashRing | None, ring: HashRing | None) -> None:
+        """Before routing by ``ring``: drop the copies this node holds of keys ``ring`` gives it
+        and ``before`` gave another node (gcache.server.handover.held_gained). No new copy of
+        such a key can land meanwhile: a write of it routed by ``before`` is not this node's,
+        one routed by ``ring`` waits until this node routes by it (``writable``)."""
+        keys = held_gained(self.store, before, ring, self.node_id)
+        dropped = 0
+        for i in range(0, len(keys), 256):  # the store lock is held per slice, not for them all
+            dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
+        if dropped:
+            self.dropped_gained += dropped
+            log.warning("dropped %d copies of keys this node takes back: held from before another node "
+                        "owned them (a handover that did not finish), they may be older than its writes", dropped)
 
     def _taken_over(self, before: HashRing | None, ring: HashRing | None) -> set[str] | None:
         """The nodes whose keys this node takes over from ``before`` to ``ring`` while a handover
@@ -372,8 +410,15 @@ class Agent:
                 if n != self.node_id and n in addresses and (taken is None or n in taken)}
 
     def _close_gate(self, losing: dict[str, str], epoch: int, confirmed: threading.Event) -> None:
+        """Open the gate once ``losing`` confirm ``epoch``; if asking them fails, only once
+        fence-after has passed (by then they are fenced), never sooner."""
+        deadline = time.monotonic() + self.fence_after_s
         try:
             self._confirm(losing, epoch)
+        except Exception:
+            log.exception("could not ask %s to confirm epoch %d; writes of the keys taken over wait out "
+                          "fence-after (%.1fs)", sorted(losing), epoch, self.fence_after_s)
+            self._stop.wait(max(0.0, deadline - time.monotonic()))
         finally:
             confirmed.set()
             with self._lock:

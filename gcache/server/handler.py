@@ -26,7 +26,7 @@ from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
 from gcache.server.framing import FrameReader, Refused
 from gcache.tier.pools import parse_pool_meta
-from gcache.tier.store import Guard, Hit, Reservation, Store
+from gcache.tier.store import Hit, Reservation, Store
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ limited = RateLimitedLog(log)
 SCRATCH_BYTES = 256 << 10  # drains refused payload; allocated on a connection's first refusal
 LOCAL_OPS = (Op.LMAP, Op.LGET, Op.LDONE, Op.LALLOC, Op.LCOMMIT)
 DATA_OPS = (Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LGET, Op.LALLOC)
-OK, NOT_FOUND, NOT_OWNER = int(Status.OK), int(Status.NOT_FOUND), int(Status.NOT_OWNER)
+OK, NOT_FOUND, NOT_OWNER, ERROR = int(Status.OK), int(Status.NOT_FOUND), int(Status.NOT_OWNER), int(Status.ERROR)
 _MAX_KEY = P.MAX_KEY_BYTES
 _OPS = {int(o): o for o in Op}  # a dict lookup per request, not an Enum call
 JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
@@ -47,6 +47,49 @@ PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks 
 
 def _refuse(_key: tuple[str, bytes]) -> bool:
     return False
+
+
+class WriteGuard:
+    """A store guard (gcache.tier.store.Guard) for one write request, checked as each of its
+    batches lands (under the store lock). It refuses
+
+    - the whole write, if the client has closed or reset the connection meanwhile: it gave up
+      on this write (timed out) and may have written the key again elsewhere or on another
+      connection since, so landing now could put an older value over an acknowledged newer one
+      (a request read just before the daemon stalled, or while it waited in writable()).
+      ``abandoned`` says so; such keys are answered ERROR (the client is gone, or half-closed
+      against the protocol);
+    - per key, if this node has since built a newer ring than both the client's epoch and the
+      ring of that check, for keys it no longer owns (answered NOT_OWNER): a write admitted
+      just before the ring changed could otherwise land after this node's handover read the
+      key's old value and pushed it to the new owner, which would then serve that old value."""
+
+    __slots__ = ("abandoned", "agent", "hung_up", "routed", "store")
+
+    def __init__(self, store: Store, hung_up: Callable[[], bool], agent: Agent | None,
+                 routed: tuple[int, int] | None) -> None:
+        self.store, self.hung_up, self.agent, self.routed = store, hung_up, agent, routed
+        self.abandoned = False
+
+    def __call__(self) -> Callable[[tuple[str, bytes]], bool] | None:
+        if self.abandoned or self.hung_up():
+            if not self.abandoned:
+                self.abandoned = True
+                self.store.counters["writes_abandoned"] += 1  # under the store lock
+            return _refuse
+        agent, routed = self.agent, self.routed
+        if routed is None or agent is None:
+            return None
+        client_epoch, checked = routed
+        ring_epoch, ring = agent.routing
+        if ring_epoch == checked or client_epoch >= ring_epoch:
+            return None
+        return lambda key: agent.owns_by(ring, key[0], key[1])
+
+    @property
+    def refused(self) -> int:
+        """The status of a key this guard refused."""
+        return ERROR if self.abandoned else NOT_OWNER
 
 
 def value_meta_list(got: list[Hit | None]) -> list:
@@ -248,8 +291,14 @@ class Handler:
             self.state.authed = True
 
     def _ownership_rule(self, meta: dict[str, Any]):
-        """A per-key owner check when the client routed by an older epoch than the ring this node
-        routes by, else None; ``routed`` keeps both epochs for the check as writes land."""
+        """A per-key owner check when the client routed by another epoch than the ring this node
+        routes by, else None; ``routed`` keeps both epochs for the check as writes land.
+
+        A client that routed by an older epoch is sent to the key's new owner (NOT_OWNER). One
+        that routed by a newer epoch (this node has not built that ring yet) misses here on a key
+        this node does not own yet: it may hold a copy from before another node owned the key,
+        which that node may have overwritten since (its write waits for this node to catch up
+        instead, and is checked again then: _write_keys_status)."""
         agent = self.agent
         assert agent is not None
         ep = meta.get("ep")
@@ -258,55 +307,45 @@ class Handler:
             return None
         if ep > agent.epoch:
             agent.note_epoch(ep)
+        return self._rule_for(ep)
+
+    def _rule_for(self, ep: int):
+        agent = self.agent
+        assert agent is not None
         ring_epoch, ring = agent.routing
         self.routed = (ep, ring_epoch)
-        return functools.partial(agent.owns_by, ring) if ep < ring_epoch else None
+        return functools.partial(agent.owns_by, ring) if ep != ring_epoch else None
 
-    def write_guard(self, routed: tuple[int, int] | None) -> Guard:
-        """For a write admitted by the owner check of ``routed``: a store guard, checked as the
-        write lands (under the store lock), that refuses it
+    def write_guard(self, routed: tuple[int, int] | None) -> WriteGuard:
+        """For a write admitted by the owner check of ``routed``: a store guard (WriteGuard)."""
+        return WriteGuard(self.store, self.stream.hung_up, self.agent, routed)
 
-        - whole, if the client has closed or reset the connection meanwhile: it gave up on this
-          write (timed out) and may have written the key again elsewhere or on another
-          connection since, so landing now could put an older value over an acknowledged newer
-          one (a request read just before the daemon stalled, or while it waited in writable());
-        - per key, if this node has since built a newer ring than both the client's epoch and
-          the ring of that check, for keys it no longer owns: a write admitted just before the
-          ring changed could otherwise land after this node's handover read the key's old value
-          and pushed it to the new owner, which would then serve that old value."""
+    def _write_keys_status(self, ns: str, keys: list[Any], pushed: bool = False) -> list[Status | None]:
+        """_keys_status for a write, once this node may take it (Agent.writable; a previous
+        owner's ``pushed`` copies only wait for this node to catch up with their epoch), owner
+        check by the ring this node routes by then."""
         agent = self.agent
-        hung_up = self.stream.hung_up
-
-        def guard() -> Callable[[tuple[str, bytes]], bool] | None:
-            if hung_up():
-                self.store.counters["writes_abandoned"] += 1  # the guard runs under the store lock
-                return _refuse
-            if routed is None or agent is None:
-                return None
-            client_epoch, checked = routed
-            ring_epoch, ring = agent.routing
-            if ring_epoch == checked or client_epoch >= ring_epoch:
-                return None
-            return lambda key: agent.owns_by(ring, key[0], key[1])
-
-        return guard
-
-    def _write_keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
-        """_keys_status for a client's write, once this node may take it (Agent.writable)."""
-        agent = self.agent
-        if agent is not None and not agent.writable(ns, keys, self.routed[0] if self.routed else None):
-            raise Refused(ErrorCode.FENCED, f"node {self.node_id} is taking over keys from nodes that have not "
-                                            "confirmed the change yet; treat it as unavailable for now")
+        if agent is not None:
+            ep = self.routed[0] if self.routed else None
+            if not (agent.caught_up(ep) if pushed else agent.writable(ns, keys, ep)):
+                raise Refused(ErrorCode.FENCED, f"node {self.node_id} has not caught up with the newest membership "
+                                                "or is taking over keys from nodes that have not confirmed the "
+                                                "change yet; treat it as unavailable for now")
+            if self.routed is not None and self.routed[0] > self.routed[1]:  # it was ahead: check again
+                self._owner_check = self._rule_for(self.routed[0])
         return self._keys_status(ns, keys)
 
     def _keys_status(self, ns: str, keys: list[Any]) -> list[Status | None]:
-        """Per key: BAD_KEY or NOT_OWNER for a key this request must not touch, else None (the
-        key check inlined in one comprehension: no call per key)."""
+        """Per key: BAD_KEY, or NOT_OWNER (NOT_FOUND for a client ahead of this node) for a key
+        this request must not touch, else None (the key check inlined in one comprehension: no
+        call per key)."""
         out: list[Status | None] = [None if type(k) is bytes and 0 < len(k) <= _MAX_KEY else Status.BAD_KEY
                                     for k in keys]
         check = self._owner_check
         if check is not None:
-            out = [r if r is not None or check(ns, k) else Status.NOT_OWNER for r, k in zip(out, keys)]
+            routed = self.routed
+            other = Status.NOT_FOUND if routed is not None and routed[0] > routed[1] else Status.NOT_OWNER
+            out = [r if r is not None or check(ns, k) else other for r, k in zip(out, keys)]
         return out
 
     # -- ops --------------------------------------------------------------------------------
@@ -329,7 +368,8 @@ class Handler:
         # makes room by evicting its own earlier (committed) values, as one key at a time would.
         chunk_limit = min(PUT_CHUNK_BYTES, self.store.arena.size // 16)
         chunk: list[tuple[int, Reservation]] = []  # reserved, not yet received and committed
-        refused = self._keys_status(ns, keys) if handover else self._write_keys_status(ns, keys)
+        refused = self._write_keys_status(ns, keys, pushed=handover)
+        guard = self.write_guard(self.routed)
         start = 0
         got: list[Reservation | Status | None] = []  # the run's reservations...
         k = 0  # ...of which got[k:] are not in chunk yet
@@ -349,13 +389,13 @@ class Handler:
                     res, i = got[k], start + k
                     k += 1
                     if res is None or isinstance(res, Status):  # refused: its bytes are read and dropped
-                        self._land(ns, keys, vmeta, chunk, handover, status)
+                        self._land(ns, keys, vmeta, chunk, handover, status, guard)
                         drain(self.stream, sizes[i], self._scratch)
                         status.append(int(res if res is not None else refused[i]))  # type: ignore[arg-type]
                     else:
                         chunk.append((i, res))
                         status.append(OK)
-                self._land(ns, keys, vmeta, chunk, handover, status)
+                self._land(ns, keys, vmeta, chunk, handover, status, guard)
                 start = end
         except BaseException:
             self.store.abort_many([r for _i, r in chunk] + [r for r in got[k:] if isinstance(r, Reservation)])
@@ -363,7 +403,7 @@ class Handler:
         return {"st": status}, payload_len
 
     def _land(self, ns: str, keys: list[Any], vmeta: list[ValueMeta], chunk: list[tuple[int, Reservation]],
-              handover: bool, status: list[int]) -> None:
+              handover: bool, status: list[int], guard: WriteGuard) -> None:
         """Receive the values of ``chunk`` into their reserved slots in one scatter read, then
         commit them in key order (a handover copy only where no client wrote or deleted the key;
         a key this node no longer owns by the time it lands: NOT_OWNER in ``status``)."""
@@ -372,9 +412,8 @@ class Handler:
         recv_scatter(self.stream, [res.view for _i, res in chunk])
         if not handover:
             try:
-                for n in self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk],
-                                                self.write_guard(self.routed)):
-                    status[chunk[n][0]] = NOT_OWNER
+                for n in self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk], guard):
+                    status[chunk[n][0]] = guard.refused
             finally:
                 chunk.clear()
             return
@@ -436,6 +475,8 @@ class Handler:
             return pong
         if op is Op.STATS:
             stats: dict[str, Any] = dict(self.store.stats())
+            if self.agent is not None:
+                stats.update(self.agent.counters())
             if self.metrics is not None and self.metrics.address:
                 stats["metrics_address"] = self.metrics.address  # `gcache stats` scrapes it
             return {"node": self.node_id, "stats": stats}
@@ -468,9 +509,9 @@ class Handler:
             for k, r in zip(keys, refused):
                 if r is None:
                     log_.touch((ns, k))  # before the delete: no pushed copy may bring it back
-        found = self.store.delete_many([(ns, k) if r is None else None for k, r in zip(keys, refused)],
-                                       self.write_guard(self.routed))
-        return {"st": [int(r) if r is not None else NOT_OWNER if f is None else OK if f else NOT_FOUND
+        guard = self.write_guard(self.routed)
+        found = self.store.delete_many([(ns, k) if r is None else None for k, r in zip(keys, refused)], guard)
+        return {"st": [int(r) if r is not None else guard.refused if f is None else OK if f else NOT_FOUND
                        for r, f in zip(refused, found)]}
 
     def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:

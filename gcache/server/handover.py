@@ -6,6 +6,12 @@ over TCP, each copy flagged as a handover so the receiver stores it only where n
 or deleted the key meanwhile, gcache.server.touchlog). Each pushed value carries its
 value-metadata record (pool, chain position, tail mark, what is left of the TTL, format tag),
 and is deleted here once stored there, unless a newer value was written here meanwhile.
+
+A copy its new owner did not take (that node failed, refused the value, or was gone) is deleted
+here too: kept, it would come back as this node's value once the ring gives the key back (the
+other node leaves or fails), though that node may have acknowledged newer writes of the key
+meanwhile. For the same reason a node that gains keys drops any copy it still holds of them
+(``held_gained``): such a copy is from before another node owned the key.
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ def hand_over(store: Store, membership: Membership, ring: HashRing, node_id: str
 
 
 def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], put: PutFn) -> int:
-    """Put ``keys`` on their new owners, then delete each pushed value here unless a newer one
-    was written meanwhile. Returns how many moved."""
+    """Put ``keys`` on their new owners, then delete each value here, pushed or not, unless a
+    newer one was written here meanwhile. Returns how many moved."""
     present = []
     for k in keys:
         hit = store.acquire((ns, k))
@@ -53,14 +59,31 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
     by_pool: dict[str | None, list[int]] = defaultdict(list)
     for i, (_k, hit) in enumerate(present):
         by_pool[hit.meta.pool].append(i)
-    pushed: list[tuple[bytes, int]] = []
+    moved = 0
     try:
         for pool, idxs in by_pool.items():
             sel = [present[i] for i in idxs]
             status = put(membership, ns, pool, [k for k, _ in sel], [h.view for _, h in sel], [h.meta for _, h in sel])
-            pushed += [(k, h.seq) for (k, h), st in zip(sel, status) if st is Status.OK]
+            moved += sum(st is Status.OK for st in status)
     finally:
         store.release_many([hit for _k, hit in present])
-    for k, seq in pushed:
-        store.delete((ns, k), if_seq=seq)
-    return len(pushed)
+    for k, hit in present:  # an error above (put raised) leaves them for the handover's retry
+        store.delete((ns, k), if_seq=hit.seq)
+    return moved
+
+
+def held_gained(store: Store, before: HashRing | None, ring: HashRing | None, node_id: str) -> list[tuple[str, bytes]]:
+    """The keys ``store`` holds that ``ring`` gives ``node_id`` and ``before`` gave another node:
+    copies from before that node owned them (a handover that did not finish, or whose push
+    failed), which may be older than what that node acknowledged since. Empty when either ring
+    is missing or the rings are the same."""
+    if before is None or ring is None or node_id not in ring.node_ids or ring.same_as(before):
+        return []
+    by_ns: dict[str, list[bytes]] = defaultdict(list)
+    for ns, key in store.keys_hottest_first():
+        by_ns[ns].append(key)
+    out = []
+    for ns, keys in by_ns.items():
+        now, was = ring.owners(ns, keys), before.owners(ns, keys)
+        out += [(ns, k) for k, a, b in zip(keys, now, was) if a == node_id and b != node_id]
+    return out

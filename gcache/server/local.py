@@ -216,10 +216,10 @@ class LocalHandler(Handler):
         reserved = lease.reservations or []
         held = [i for i, (_key, res) in enumerate(reserved) if res is not None]
         st = [int(Status.ERROR if res is None else Status.OK) for _k, res in reserved]
+        guard = self.write_guard(lease.routed)
         for n in self.store.commit_many([((lease.ns, reserved[i][0]), reserved[i][1],  # type: ignore[misc]
-                                          lease.meta[i] if lease.meta else NO_META) for i in held],
-                                        self.write_guard(lease.routed)):
-            st[held[n]] = int(Status.NOT_OWNER)
+                                          lease.meta[i] if lease.meta else NO_META) for i in held], guard):
+            st[held[n]] = guard.refused
         self.reply(Op.LCOMMIT, req_id, {"st": st})
 
 

@@ -206,14 +206,18 @@ class Store:
                    for _key, res, meta in items]
         rejected: list[int] = []
         with self._lock:
-            check = guard() if guard is not None else None
-            if check is not None:
-                rejected = [i for i, (key, _res, _meta) in enumerate(items) if not check(key)]
-                if rejected:
-                    self._give_back([items[i][1] for i in rejected])
-                    drop = set(rejected)
-                    kept = [i for i in range(len(items)) if i not in drop]
-                    items, entries = [items[i] for i in kept], [entries[i] for i in kept]
+            try:
+                check = guard() if guard is not None else None
+                if check is not None:
+                    rejected = [i for i, (key, _res, _meta) in enumerate(items) if not check(key)]
+            except BaseException:  # nothing published: every reservation goes back
+                self._give_back([res for _key, res, _meta in items])
+                raise
+            if rejected:
+                self._give_back([items[i][1] for i in rejected])
+                drop = set(rejected)
+                kept = [i for i in range(len(items)) if i not in drop]
+                items, entries = [items[i] for i in kept], [entries[i] for i in kept]
             done = 0
             try:
                 for (key, res, _meta), entry in zip(items, entries):

@@ -14,6 +14,7 @@ waits in Agent.writable until the node routes by that ring. In-process Agent, Ha
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -124,3 +125,24 @@ def test_a_write_whose_client_waits_for_the_answer_lands(node):
         assert read(node.store, (NS, node.kept)) == b"new"
     finally:
         conn.close()
+
+
+def test_a_write_whose_client_half_closed_is_answered_error_not_not_owner(node):
+    """Half-closing while waiting for a write's answer is against the protocol: the write is
+    dropped like an abandoned one, and the answer says ERROR (NOT_OWNER would send the client
+    to refresh its membership for nothing)."""
+    served = Served(node, "unix")
+    sock = served.open()
+    try:
+        send(sock, Op.PUT, {"ns": NS, "keys": [node.kept], "sizes": [3], "ep": node.e2}, b"new")
+        assert poll(lambda: node.agent.write_waits == 1, 5)
+        sock.shutdown(socket.SHUT_WR)
+        node.learn_epoch()
+        node.build_ring()
+        conn = Connection("n0", "n0:1", PolledSocketStream(sock), 5.0)
+        conn._pending.append(1)  # the request sent by hand above
+        reply, _plen = conn.recv_reply(time.monotonic() + 5)
+        assert reply["st"] == [Status.ERROR]
+        assert not node.store.exists((NS, node.kept)) and node.store.stats().get("writes_abandoned") == 1
+    finally:
+        sock.close()

@@ -142,6 +142,9 @@ class Node:
 def announced(monkeypatch):
     fake = Announced()
     monkeypatch.setattr(agent_mod, "announce_epoch", fake)
+    # a write waits for the test's next step: not the daemon's 1 s, which a loaded machine can
+    # pass between two steps (the write would be refused before the step it waits for)
+    monkeypatch.setattr(agent_mod, "WRITE_WAIT_S", 30.0)
     yield fake
     fake.allow.set()
 
@@ -319,3 +322,94 @@ def test_store_guards_are_checked_under_the_lock_as_writes_land():
     finally:
         s.close()
 
+
+
+# -- copies a node still holds of keys it lost, when the ring gives them back -------------------
+# (found by an adversarial probe: n2 joins, a client writes newer values of keys that moved to
+# n2, n2 dies before n0's handover pushed them (or n2 refused them); once n2 is declared down
+# the ring gives the keys back to n0, which served its old copies)
+
+def join_then_joiner_down():
+    """(n0 + n1, n2 joined, n2 declared down): the three memberships, in order."""
+    t = NodeTable()
+    for i in range(2):
+        register(t, i)
+    before = t.membership()
+    register(t, 2)
+    joined = t.membership()
+    t.apply({"v": 1, "op": "set_state", "node": "n2", "inc": 1, "state": "down"})
+    return before, joined, t.membership()
+
+
+def test_a_node_drops_its_copies_of_keys_it_takes_back_before_routing_by_that_ring(announced):
+    before, joined, down = join_then_joiner_down()
+    node = Node(lambda: (before, joined))
+    try:
+        assert node.moved is not None and node.kept is not None
+        for k in (node.moved, node.kept):
+            assert node.store.put((NS, k), b"old") is Status.OK
+        c = node.connect()
+        node.learn_epoch()
+        node.build_ring()  # n2 owns `moved` now; n0's handover has not pushed it (or failed)
+        assert node.store.exists((NS, node.moved))
+        # a client that already knows n2 is down reads `moved` here before n0 routes by that
+        # epoch: a miss, not n0's old copy (n2 may have acknowledged a newer value meanwhile)
+        e3 = down["epoch"]
+        st = call(c, Op.GET, {"ns": NS, "keys": [node.moved, node.kept], "ep": e3})["st"]
+        assert st == [Status.NOT_FOUND, Status.OK]
+        assert call(c, Op.EXISTS, {"ns": NS, "keys": [node.moved], "ep": e3})["st"] == [Status.NOT_FOUND]
+        m = Membership.from_master(down)
+        node.agent._apply_membership(down)
+        node.agent._install_ring(m, m.build_ring())
+        assert node.agent.routing[0] == e3
+        assert not node.store.exists((NS, node.moved)) and node.agent.dropped_gained == 1
+        assert read(node.store, (NS, node.kept)) == b"old"
+        # what clients write now is theirs
+        assert call(c, Op.PUT, {"ns": NS, "keys": [node.moved], "sizes": [3], "ep": e3}, b"new")["st"] == [Status.OK]
+        assert call(c, Op.GET, {"ns": NS, "keys": [node.moved], "ep": e3})["st"] == [Status.OK]
+        assert read(node.store, (NS, node.moved)) == b"new"
+    finally:
+        node.close()
+
+
+def test_a_pushed_copy_from_a_node_ahead_lands_only_once_this_node_routes_by_its_epoch(announced):
+    """A draining node's pushes carry the drain's epoch: landing before this node routes by it,
+    they would be taken for copies held from before (and dropped with them)."""
+    node = Node(drain, "n0")
+    try:
+        assert node.gained is not None
+        c = node.connect()
+        t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [node.gained], "sizes": [3], "ep": node.e2, "ho": 1},
+                           b"new")
+        assert poll(lambda: node.agent.write_waits == 1, 5)
+        assert not node.store.exists((NS, node.gained))
+        node.learn_epoch()
+        node.build_ring()
+        t.join(5)
+        assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, node.gained)) == b"new"
+        assert node.agent.dropped_gained == 0
+    finally:
+        node.close()
+
+
+def test_a_gate_whose_peers_cannot_be_asked_opens_only_after_fence_after(monkeypatch):
+    """If asking the previous owners fails outright (e.g. no thread to ask with), the writes of
+    the keys taken over wait out fence-after (by then those owners are fenced), not a moment less."""
+    def fail(*_args):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(agent_mod, "announce_epoch", fail)
+    monkeypatch.setattr(agent_mod, "WRITE_WAIT_S", 30.0)
+    node = Node(drain, "n0")
+    try:
+        node.agent.fence_after_s = 0.6
+        c = node.connect()
+        node.learn_epoch()
+        t0 = time.monotonic()
+        node.build_ring()
+        t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [node.gained], "sizes": [3], "ep": node.e2}, b"ggg")
+        t.join(10)
+        assert out["r"]["st"] == [Status.OK] and time.monotonic() - t0 >= 0.6
+        assert node.agent.write_waits == 1
+    finally:
+        node.close()
