@@ -211,6 +211,26 @@ def test_the_newest_record_wins_whatever_the_segment_order(tmp_path):
     t2.close()
 
 
+def test_a_segment_written_after_drop_all_survives_the_sweep_and_a_restart(tmp_path):
+    """drop_all reclaims every segment and sweep() removes their files later: a new segment
+    must not reuse a reclaimed one's name, or the sweep removes the live file (its values lost
+    at the next start)."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 << 20, segment_bytes=64 * KB)
+    assert t.append(key(1), memoryview(b"old1" * 100), 0.0)
+    assert t.drop_all() == 1 and not t.contains(key(1))
+    assert t.append(key(2), memoryview(b"new2" * 100), 0.0)
+    t.sweep()
+    assert t.contains(key(2)) and not t.contains(key(1))
+    t.close()
+    t2 = NvmeTier(d, 8 << 20, segment_bytes=64 * KB)
+    assert not t2.contains(key(1))
+    loc = t2.lookup(key(2))
+    buf = memoryview(bytearray(loc.size)) if loc is not None else None
+    assert loc is not None and t2.read(key(2), loc, buf) and bytes(buf) == b"new2" * 100
+    t2.close()
+
+
 # -- 10. a full disk ----------------------------------------------------------------------------
 @pytest.fixture
 def tiny_fs(tmp_path):

@@ -110,6 +110,7 @@ class NvmeTier:
         self.reclaimed_segments = 0
         self._lock = threading.Lock()
         self._unlink_later: list[str] = []
+        self._last_seg_id = 0  # never reused: a reclaimed segment's file may not be removed yet
         self._last_error_log = 0.0
         self._errors_unlogged = 0
         self._discard_if_unclean()
@@ -334,7 +335,7 @@ class NvmeTier:
 
     # -- segments -------------------------------------------------------------------------
     def _new_segment(self) -> Segment | None:
-        seg_id = self.segments[-1].seg_id + 1 if self.segments else 1
+        seg_id = self._last_seg_id = self._last_seg_id + 1
         path = os.path.join(self.directory, f"seg-{seg_id:08d}.log")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -394,6 +395,7 @@ class NvmeTier:
     # -- restart recovery -----------------------------------------------------------------
     def _recover(self) -> None:
         names = sorted(n for n in os.listdir(self.directory) if SEG_RE.match(n))
+        self._last_seg_id = max((int(SEG_RE.match(n).group(1)) for n in names), default=0)  # type: ignore[union-attr]
         now = time.time()
         best: dict[Key, tuple[R.Rec, Segment]] = {}  # newest value record per key
         floor: dict[Key, int] = {}  # newest tombstone per key: values below it are dead
