@@ -47,6 +47,12 @@ def key_hash(namespace: str, key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(namespace.encode() + b"\0" + key)
 
 
+def key_hashes(namespace: str, keys: Sequence[bytes]) -> np.ndarray:
+    """key_hash of each key, as uint64 (what owner_indices takes)."""
+    prefix, h = namespace.encode() + b"\0", xxhash.xxh3_64_intdigest  # key_hash, inlined per key
+    return np.array([h(prefix + k) for k in keys], dtype=_U64)
+
+
 def xxh3_16(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """xxh3_64 (seed 0) of the 16-byte inputs ``LE64(lo) || LE64(hi)``, vectorised."""
     with np.errstate(over="ignore"):
@@ -195,10 +201,8 @@ class HashRing:
 
     def owners(self, namespace: str, keys: Sequence[bytes]) -> list[str]:
         """Owner node id of each key."""
-        prefix, h = namespace.encode() + b"\0", xxhash.xxh3_64_intdigest  # key_hash, inlined per key
-        hashes = np.array([h(prefix + k) for k in keys], dtype=_U64)
         ids = self.node_ids
-        return [ids[i] for i in self.owner_indices(hashes).tolist()]
+        return [ids[i] for i in self.owner_indices(key_hashes(namespace, keys)).tolist()]
 
     def owner(self, namespace: str, key: bytes) -> str:
         return self.owners(namespace, [key])[0]

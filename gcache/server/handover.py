@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from gcache.meta.membership import Membership
-from gcache.meta.ring import HashRing
+from gcache.meta.ring import HashRing, key_hashes
 from gcache.protocol import Status
 from gcache.tier.store import Store
 from gcache.tier.valuemeta import ValueMeta
@@ -82,8 +84,11 @@ def held_gained(store: Store, before: HashRing | None, ring: HashRing | None, no
     by_ns: dict[str, list[bytes]] = defaultdict(list)
     for ns, key in store.keys_hottest_first():
         by_ns[ns].append(key)
+    me_now = ring.node_ids.index(node_id)
+    me_before = before.node_ids.index(node_id) if node_id in before.node_ids else -1
     out = []
     for ns, keys in by_ns.items():
-        now, was = ring.owners(ns, keys), before.owners(ns, keys)
-        out += [(ns, k) for k, a, b in zip(keys, now, was) if a == node_id and b != node_id]
+        hashes = key_hashes(ns, keys)  # once for both rings
+        gained = (ring.owner_indices(hashes) == me_now) & (before.owner_indices(hashes) != me_before)
+        out += [(ns, keys[i]) for i in np.flatnonzero(gained).tolist()]
     return out
