@@ -44,14 +44,22 @@ def register(t, i):
     t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB})
 
 
-def join():
-    """n0 and n1, then n2 joins: (before, after) as the masters publish them."""
+def join_then_joiner_down():
+    """n0 and n1, then n2 joins, then n2 is declared down: the three memberships, in order."""
     t = NodeTable()
     for i in range(2):
         register(t, i)
     before = t.membership()
     register(t, 2)
-    return before, t.membership()
+    joined = t.membership()
+    t.apply({"v": 1, "op": "set_state", "node": "n2", "inc": 1, "state": "down"})
+    return before, joined, t.membership()
+
+
+def join():
+    """n0 and n1, then n2 joins: (before, after) as the masters publish them."""
+    before, joined, _down = join_then_joiner_down()
+    return before, joined
 
 
 def drain():
@@ -328,18 +336,6 @@ def test_store_guards_are_checked_under_the_lock_as_writes_land():
 # (found by an adversarial probe: n2 joins, a client writes newer values of keys that moved to
 # n2, n2 dies before n0's handover pushed them (or n2 refused them); once n2 is declared down
 # the ring gives the keys back to n0, which served its old copies)
-
-def join_then_joiner_down():
-    """(n0 + n1, n2 joined, n2 declared down): the three memberships, in order."""
-    t = NodeTable()
-    for i in range(2):
-        register(t, i)
-    before = t.membership()
-    register(t, 2)
-    joined = t.membership()
-    t.apply({"v": 1, "op": "set_state", "node": "n2", "inc": 1, "state": "down"})
-    return before, joined, t.membership()
-
 
 def test_a_node_drops_its_copies_of_keys_it_takes_back_before_routing_by_that_ring(announced):
     before, joined, down = join_then_joiner_down()
