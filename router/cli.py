@@ -61,7 +61,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the gcache cluster the engines' HiCache writes to (HOST:PORT,... or gcache://MASTERS): "
                         "one batched exists per request tells how much of its prefix any worker can load; "
                         "needs --page-size and --l3-shard")
-    p.add_argument("--l3-shard", default="", help="the engines' KV shard name, e.g. Qwen-Qwen3-8B_tp0of1")
+    p.add_argument("--l3-shard", default="", help="the engines' KV shard: the part of their page keys after '@', shard and page "
+                        "format, as the gcache HiCache backend logs it at its first batch "
+                        "(e.g. Qwen%%2FQwen3-8B_tp0of1#9f2c...)")
     p.add_argument("--l3-namespace", default="sglang", help="gcache namespace of the engines (default: sglang)")
     p.add_argument("--l3-timeout", type=float, default=0.05,
                    help="seconds a request waits for the L3 answer before treating it as a miss (default: 0.05)")

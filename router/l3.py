@@ -1,7 +1,7 @@
 """How much of a prompt's prefix any worker can load from the shared L3 tier (gcache).
 
 SGLang's HiCache backend for gcache (``sglang_adapter``) stores page ``i`` of a sequence
-under ``{page_hash}.kv@{shard}`` in its gcache namespace, where page hashes are SGLang's
+under ``{page_hash}.kv@{shard}#{format}`` in its gcache namespace, where page hashes are SGLang's
 storage chain: SHA-256 over the previous page's digest and the page's token ids as
 little-endian uint32 (uint64 after a 0xff tag when a token does not fit), hex-encoded.
 ``sglang_page_hashes`` recomputes that chain; ``L3Probe`` asks gcache, in one batched
@@ -55,8 +55,9 @@ def sglang_page_hashes(token_ids: Sequence[int], page_tokens: int, max_pages: in
 class L3Config:
     """nodes: the gcache cluster (daemon HOST:PORT list, or ``gcache://`` masters);
     namespace: the namespace the engines' HiCache backend writes (default "sglang");
-    shard: the KV shard suffix the engines write (``KeyScheme.shard("kv")``, e.g.
-    ``Qwen-Qwen3-8B_tp0of1``; any one TP rank's pages stand for all);
+    shard: what follows ``@`` in the engines' KV page keys: their shard and page format
+    (``GCacheStorage.l3_shard()``, which the backend also logs, e.g.
+    ``Qwen%2FQwen3-8B_tp0of1#9f2c...``; any one TP rank's pages stand for all);
     timeout_s: the longest a request waits for the answer; max_pages: pages asked about at most."""
 
     nodes: tuple[str, ...]
@@ -69,7 +70,8 @@ class L3Config:
         if not self.nodes:
             raise ValueError("L3 needs the gcache nodes (HOST:PORT,... or gcache://MASTERS)")
         if not self.shard:
-            raise ValueError("L3 needs the engines' KV shard name, e.g. Qwen-Qwen3-8B_tp0of1")
+            raise ValueError("L3 needs the engines' KV shard: what follows '@' in their page keys, as the "
+                             "gcache HiCache backend logs it (e.g. Qwen%2FQwen3-8B_tp0of1#9f2c...)")
         if not self.timeout_s > 0 or self.max_pages <= 0:
             raise ValueError("L3 timeout_s and max_pages must be > 0")
 

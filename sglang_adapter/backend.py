@@ -47,7 +47,7 @@ from gcache.client.client import OnNodeError
 from gcache.protocol import Status
 from sglang_adapter.config import AdapterConfig
 from sglang_adapter.keys import KeyScheme, page_format
-from sglang_adapter.pages import page_bytes, page_views, pool_format
+from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format
 from sglang_adapter.window import PoolCheck, leading, window_safe
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class GCacheStorage(HiCacheStorage):
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._page_gb: dict[str, float] = {}
         self._formats: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, its page format)
+        self.identity = deployment_identity()  # what SGLang's arguments say about the bytes
 
     def __repr__(self) -> str:
         return f"GCacheStorage(ns={self.config.namespace!r}, pools={sorted(self.registered_pools)})"
@@ -103,11 +104,23 @@ class GCacheStorage(HiCacheStorage):
     def page_keys(self, page_hashes: list[str], name: str) -> list[bytes]:
         """gcache keys of pages of the registered host pool ``name``: shard and byte format
         included, so a pool of another layout, dtype or page size never reads these pages."""
+        return self.scheme.keys(list(page_hashes), name, self._format(name))
+
+    def _format(self, name: str) -> str:
+        """The page format of the registered host pool ``name`` (pages.pool_format), made once."""
         pool = self._pool(name)
         cached = self._formats.get(name)
         if cached is None or cached[0] is not pool:
-            cached = self._formats[name] = (pool, pool_format(pool))
-        return self.scheme.keys(list(page_hashes), name, cached[1])
+            cached = self._formats[name] = (pool, pool_format(pool, self.identity))
+            shard = f"{self.scheme.shard(name)}#{cached[1]}"
+            log.info("gcache storage: %s pages are keyed <page hash>.%s@%s%s", name, name, shard,
+                     f" (the router's --l3-shard {shard})" if name == KV else "")
+        return cached[1]
+
+    def l3_shard(self) -> str:
+        """What the router's ``--l3-shard`` takes to find this engine's KV pages: the part of
+        their keys after ``@`` (shard and page format; logged when first used)."""
+        return f"{self.scheme.shard(KV)}#{self._format(KV)}"
 
     def _tag(self, name: str) -> str:
         """The daemon pool a host pool's pages go to."""
@@ -256,9 +269,13 @@ class GCacheStorage(HiCacheStorage):
             return False
 
     def _tensor_key(self, page_hash: str, tensor: Any) -> bytes:
-        """Key of a whole-tensor value of the legacy path: its dtype and shape are its format."""
+        """Key of a whole-tensor value of the legacy path: the tensor's dtype and shape, and the
+        format of the host pool it was copied from (SGLang flattens a page, so a page_first and
+        a layer_first page have the same shape; fp8 variants the same dtype)."""
         shape = list(getattr(tensor, "shape", ())) or [len(memoryview(tensor).cast("B"))]
-        fmt = page_format(type(tensor).__name__, "tensor", str(getattr(tensor, "dtype", "bytes")), 0, shape)
+        pool_fmt = self._format(KV) if self.mem_pool_host is not None or KV in self.registered_pools else ""
+        fmt = page_format(type(tensor).__name__, "tensor", str(getattr(tensor, "dtype", "bytes")), 0, shape,
+                          [f"pool={pool_fmt}", *self.identity])
         return self.scheme.key(page_hash, KV, fmt)
 
     def clear(self) -> bool:

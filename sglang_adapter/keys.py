@@ -3,13 +3,19 @@
 SGLang page keys are chained SHA-256 hex digests of the page tokens. A stored object is one
 page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{shard}#{format}``.
 
-* The shard names the model, the TP rank and size (MLA models keep one copy shared by every
-  rank, so their KV shard omits the rank), the pipeline stage and the context-parallel rank.
+* The shard names the model (``/`` and ``%`` percent-encoded: ``a/b-c`` and ``a-b/c`` stay two
+  names), the TP rank and size (MLA models keep one copy shared by every rank, so their KV
+  shard omits the rank), the pipeline stage, the context-parallel rank and the decode
+  context-parallel rank (each holds other tokens of a page).
 * The format (``page_format``) is a digest of everything that decides how a page's bytes are
-  laid out: the key format version, the host pool's class, its layout (page_first,
-  page_first_direct, layer_first), dtype, tokens per page and the byte size of each buffer a
-  page is made of. Two deployments that differ in any of these never share a key, so a reader
-  gets a miss, never another layout's bytes.
+  laid out or what they mean: the key format version, the host pool's class, its layout
+  (page_first, page_first_direct, layer_first), dtype, tokens per page, the byte size of each
+  buffer a page is made of, and ``extra``: what the host pool does not show (its layer range,
+  a Mamba pool's SSM state dtype, and the deployment identity from SGLang's server arguments:
+  the logical KV cache dtype, which for every fp8 variant is stored as uint8, the weights'
+  quantization and scales, model revision and config overrides; sglang_adapter.pages). Two
+  deployments that differ in any of these never share a key, so a reader gets a miss, never
+  another layout's bytes.
 
 Together: no two writers of different bytes share a key.
 """
@@ -23,13 +29,22 @@ from typing import Any
 import xxhash
 
 #: Bump when the meaning of a stored page's bytes changes: older pages then become misses.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int]) -> str:
+def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int],
+                extra: Sequence[str] = ()) -> str:
     """A short digest naming the byte format of one page (see the module docstring)."""
     desc = f"v{FORMAT_VERSION}|{pool_class}|{layout}|{dtype}|{page_size}|{','.join(map(str, buffer_sizes))}"
+    if extra:
+        desc += "|" + "|".join(extra)
     return xxhash.xxh3_64_hexdigest(desc.encode())
+
+
+def model_name(name: str) -> str:
+    """A model name as a key part: ``%`` and ``/`` percent-encoded (reversible, so two names
+    never meet)."""
+    return name.replace("%", "%25").replace("/", "%2F")
 
 
 @dataclass(frozen=True)
@@ -42,15 +57,18 @@ class KeyScheme:
     cp_rank: int = 0
     cp_size: int = 1
     is_mla: bool = False
+    dcp_rank: int = 0
+    dcp_size: int = 1
 
     @classmethod
     def from_storage_config(cls, cfg: Any) -> KeyScheme:
         return cls(
-            model="-".join((cfg.model_name or "").split("/")),
+            model=model_name(cfg.model_name or ""),
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
             pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
             cp_rank=getattr(cfg, "attn_cp_rank", 0), cp_size=getattr(cfg, "attn_cp_size", 1),
             is_mla=bool(cfg.is_mla_model),
+            dcp_rank=getattr(cfg, "dcp_rank", 0) or 0, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
         )
 
     def shard(self, pool: str) -> str:
@@ -62,6 +80,8 @@ class KeyScheme:
             s += f"_pp{self.pp_rank}of{self.pp_size}"
         if self.cp_size > 1:
             s += f"_cp{self.cp_rank}of{self.cp_size}"
+        if self.dcp_size > 1:
+            s += f"_dcp{self.dcp_rank}of{self.dcp_size}"
         return s
 
     def key(self, page_hash: str, pool: str, fmt: str = "") -> bytes:

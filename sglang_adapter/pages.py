@@ -9,6 +9,7 @@ those buffers, sent and received scatter-gather straight from / into the pool's 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 #: host-pool attributes holding the pool's pages as one CPU tensor (MHA and MLA pools: ``kv_buffer``;
@@ -67,14 +68,47 @@ def page_bytes(host_pool: Any) -> int:
     return int(sum(sizes))
 
 
-def pool_format(host_pool: Any) -> str:
+#: SGLang server arguments that change what a page's bytes mean without changing the host pool
+#: (it holds fp8_e4m3 and fp8_e5m2 alike as uint8; quantized weights, their scales, another
+#: revision or overridden config values such as rope scaling give other K and V)
+IDENTITY_ARGS = ("kv_cache_dtype", "mamba_ssm_dtype", "dtype", "quantization", "modelopt_quant",
+                 "quantization_param_path", "revision", "json_model_override_args")
+
+
+def deployment_identity(server_args: Any = None) -> list[str]:
+    """``name=value`` of each IDENTITY_ARGS argument set to something other than its automatic
+    default, from ``server_args`` or else the process's (sglang.srt.runtime_context; none
+    outside an SGLang process)."""
+    if server_args is None:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+
+            server_args = get_server_args()
+        except Exception:  # noqa: BLE001 - not published (not in a scheduler), or an older sglang
+            return []
+    out = []
+    for name in IDENTITY_ARGS:
+        value = getattr(server_args, name, None)
+        if value not in (None, "", "auto", "{}"):
+            out.append(f"{name}={value}")
+    return out
+
+
+def pool_format(host_pool: Any, identity: Sequence[str] = ()) -> str:
     """The byte format of ``host_pool``'s pages (keys.page_format): class, layout, dtype, page
-    size and the size of every buffer one page is made of."""
+    size, the size of every buffer one page is made of, its layer range (pipeline stages with
+    the same number of other layers), a Mamba pool's SSM state dtype, and ``identity``
+    (deployment_identity)."""
     import torch
 
     from sglang_adapter.keys import page_format
 
     page_size = int(getattr(host_pool, "page_size", 1) or 1)
     _, sizes = host_pool.get_page_buffer_meta(torch.arange(0, page_size, dtype=torch.int64))
+    extra = [f"layers={getattr(host_pool, 'start_layer', '')}-{getattr(host_pool, 'end_layer', '')}"]
+    temporal = getattr(host_pool, "temporal_dtype", None)
+    if temporal is not None:
+        extra.append(f"ssm={temporal}")
     return page_format(type(host_pool).__name__, str(getattr(host_pool, "layout", "")),
-                       str(getattr(host_pool, "dtype", "")), page_size, [int(s) for s in sizes])
+                       str(getattr(host_pool, "dtype", "")), page_size, [int(s) for s in sizes],
+                       [*extra, *identity])

@@ -58,7 +58,7 @@ def make_storage(nodes, extra=None, **over):
 
 
 def mha_host_pool(layout="page_first", layers=3, heads=2, head_dim=8, v_head_dim=8, page=4, tokens=64,
-                  dtype=None):
+                  dtype=None, start_layer=0):
     """A real sglang MHA host pool on CPU (AsymmetricMHATokenToKVPoolHost when K/V dims differ)."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
@@ -74,7 +74,7 @@ def mha_host_pool(layout="page_first", layers=3, heads=2, head_dim=8, v_head_dim
         device=torch.device("cpu"))
     cls = get_mha_host_pool_cls(info)
     return cls(info, 2.0, 0, page, layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
-               start_layer=0, end_layer=layers)
+               start_layer=start_layer, end_layer=start_layer + layers)
 
 
 def fill_random(pool, seed=0):

@@ -92,3 +92,20 @@ def test_adapter_config_takes_masters_like_the_client(monkeypatch, tmp_path):
     monkeypatch.setenv("GCACHE_TOKEN_FILE", str(tok))
     assert AdapterConfig.from_extra({"nodes": ["a:1"]}).token() == "s3cret"
     assert AdapterConfig.from_extra({"nodes": ["a:1"], "token_file": str(tok)}).token() == "s3cret"
+
+
+def test_model_names_stay_apart_and_dcp_ranks_hold_their_own_pages():
+    from sglang_adapter.keys import model_name
+
+    assert model_name("a/b-c") != model_name("a-b/c")
+    assert model_name("a%2Fb") != model_name("a/b") and "/" not in model_name("org/m")
+    mla0, mla1 = KeyScheme("m", 0, 2, is_mla=True, dcp_rank=0, dcp_size=2), \
+        KeyScheme("m", 1, 2, is_mla=True, dcp_rank=1, dcp_size=2)
+    assert mla0.key("ab", "kv") != mla1.key("ab", "kv")  # each holds other tokens of the page
+
+
+def test_page_format_extra_fields_are_part_of_the_format():
+    base = ("MHATokenToKVPoolHost", "page_first", "torch.uint8", 64, [4096, 4096])
+    assert page_format(*base) != page_format(*base, ["kv_cache_dtype=fp8_e4m3"])
+    assert page_format(*base, ["kv_cache_dtype=fp8_e4m3"]) != page_format(*base, ["kv_cache_dtype=fp8_e5m2"])
+    assert page_format(*base, ["layers=0-10"]) != page_format(*base, ["layers=1-11"])

@@ -1,0 +1,160 @@
+"""Two deployments whose pages differ in bytes never read each other's pages, even where the
+host pools look alike (found by a probe: each of these read the other deployment's KV before).
+
+Real sglang pools, the adapter created through SGLang's factory, real daemons; SGLang's server
+arguments are the real ``ServerArgs`` published the way a scheduler publishes them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from tests.sglang_adapter.conftest import make_storage, mha_host_pool
+
+PAGE = 4
+
+
+@pytest.fixture
+def cluster(sgl, tmp_path):
+    from gcache.cluster import LocalCluster
+    from tests.sglang_adapter.conftest import POOL_ARGS
+
+    c = LocalCluster(nodes=1, mem="32MiB", root=str(tmp_path / "c"), extra_args=POOL_ARGS).start()
+    yield c
+    c.stop()
+
+
+@contextlib.contextmanager
+def server_args(**fields):
+    """SGLang's process-wide server arguments set to a ServerArgs with ``fields`` (as a scheduler
+    publishes them), restored afterwards."""
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.server_args import ServerArgs
+
+    prev = rc._CONTEXT._server_args
+    rc._CONTEXT.set_server_args(ServerArgs(model_path="test/tiny", **fields))
+    try:
+        yield
+    finally:
+        rc._CONTEXT._server_args = prev
+
+
+def hashes(n, start=100):
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(list(range(start, start + n * PAGE)), None, page_size=PAGE)
+
+
+def write_then_probe(cluster, writer, reader, keys):
+    """The writer's pages set; how many the reader sees (batch_exists) and gets."""
+    import torch
+
+    idx = torch.arange(8, 8 + len(keys) * PAGE)
+    assert writer.batch_set_v1(keys, idx) == [True] * len(keys)
+    return reader.batch_exists(keys), reader.batch_get_v1(keys, idx)
+
+
+def test_fp8_variants_of_the_kv_cache_never_share_pages(cluster):
+    """SGLang stores fp8_e4m3 and fp8_e5m2 alike as uint8: the host pools are the same."""
+    import torch
+
+    storages = {}
+    for name, kv_dtype in (("e4m3", "fp8_e4m3"), ("e5m2", "fp8_e5m2"), ("e4m3 again", "fp8_e4m3")):
+        with server_args(kv_cache_dtype=kv_dtype):
+            s = make_storage(cluster.addresses)
+        s.register_mem_pool_host(mha_host_pool(dtype=torch.uint8))
+        storages[name] = s
+    keys = hashes(3)
+    assert write_then_probe(cluster, storages["e4m3"], storages["e5m2"], keys) == (0, [False] * 3)
+    # the same deployment twice still shares
+    assert storages["e4m3 again"].batch_exists(keys) == 3
+    for s in storages.values():
+        s.close()
+
+
+def test_pipeline_stages_holding_other_layers_never_share_pages(cluster):
+    """Same stage, same number of layers, another layer partition (SGLANG_PP_LAYER_PARTITION)."""
+    a = make_storage(cluster.addresses, pp_rank=1, pp_size=3)
+    a.register_mem_pool_host(mha_host_pool(layers=11, start_layer=10))
+    b = make_storage(cluster.addresses, pp_rank=1, pp_size=3)
+    b.register_mem_pool_host(mha_host_pool(layers=11, start_layer=11))
+    assert write_then_probe(cluster, a, b, hashes(2, 200)) == (0, [False, False])
+    a.close()
+    b.close()
+
+
+def test_mamba_pools_with_another_ssm_state_dtype_never_share_pages(cluster):
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    def host(ssm_dtype):  # fp16 and bf16 states: the same sizes, the same conv dtype
+        info = MambaStateBufferInfo(temporal=torch.zeros(2, 16, 4, 8, dtype=ssm_dtype),
+                                    conv=(torch.zeros(2, 16, 3, 8, dtype=torch.bfloat16),))
+        return MambaPoolHost(info, 2.0, 0, device_capacity=16, pin_memory=False, layout="page_first")
+
+    a, b = make_storage(cluster.addresses), make_storage(cluster.addresses)
+    a.register_mem_host_pool_v2(host(torch.float16), PoolName.MAMBA)
+    b.register_mem_host_pool_v2(host(torch.bfloat16), PoolName.MAMBA)
+    keys = hashes(2, 300)[-1:]
+
+    def transfer():
+        return PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=keys,
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+    assert a.batch_set_v2([transfer()]) == {"mamba": [True]}
+    assert b.batch_get_v2([transfer()]) == {"mamba": [False]}
+    a.close()
+    b.close()
+
+
+def test_the_legacy_copy_path_never_mixes_page_layouts(cluster):
+    """SGLang's generic page path (the backend without interface_v1) flattens each page: a
+    page_first and a layer_first page of the same model have the same dtype and element count."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    def controller(layout):
+        host = mha_host_pool(layout, layers=3, page=PAGE, tokens=64)
+        st = make_storage(cluster.addresses, {"interface_v1": 0})
+        st.register_mem_pool_host(host)
+        c = object.__new__(HiCacheController)
+        c.__dict__.update(storage_backend=st, storage_host_pool=host, mem_pool_host=host, page_size=PAGE)
+        return c, host, st
+
+    writer, wh, ws = controller("page_first")
+    reader, rh, rs = controller("layer_first")
+    same, sh, ss = controller("page_first")
+    keys, idx = hashes(2, 400), torch.arange(8, 8 + 2 * PAGE)
+    wh.kv_buffer.copy_(torch.rand(wh.kv_buffer.shape))
+    assert writer._generic_page_set(keys, idx)
+    op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
+    assert reader._generic_page_get(op, keys, idx) == 0 and not rh.kv_buffer.any()
+    assert same._generic_page_get(op, keys, idx) == 2  # a reader of the same layout still hits
+    assert torch.equal(sh.kv_buffer[:, 8:8 + 2 * PAGE], wh.kv_buffer[:, 8:8 + 2 * PAGE])
+    for s in (ws, rs, ss):
+        s.close()
+
+
+def test_the_routers_l3_probe_finds_the_pages_the_backend_wrote(cluster):
+    """The router asks gcache for ``{page hash}.kv@{--l3-shard}``: with the shard the backend
+    names (l3_shard: shard and page format), it sees exactly the leading run of stored pages."""
+    from router.l3 import L3Config, L3Probe
+
+    s = make_storage(cluster.addresses, model_name="Org/Model-7B")
+    s.register_mem_pool_host(mha_host_pool())
+    ids = list(range(500, 500 + 5 * PAGE))
+    keys = hashes(5, 500)
+    assert write_then_probe(cluster, s, s, keys[:3])[0] == 3
+    probe = L3Probe(L3Config(tuple(cluster.addresses), s.l3_shard(), namespace=s.config.namespace,
+                             timeout_s=2.0), PAGE)
+    try:
+        assert probe.keys(ids)[:3] == s.page_keys(keys[:3], "kv")
+        assert probe.client.exists(probe.keys(ids)) == [True] * 3 + [False] * 2
+    finally:
+        probe.client.close()
+        s.close()
