@@ -61,3 +61,92 @@ def test_a_refused_push_leaves_no_copy_to_serve_when_the_new_owner_leaves(tmp_pa
             assert sum(g is not None for g in c.get(kept)) >= len(kept) // 2
     finally:
         cl.stop()
+
+
+def moved_and_rewritten(c, keys, before, joiner, owner="node0"):
+    """Delete half of ``owner``'s keys (``before``: their owners before the join) that moved to
+    ``joiner``, overwrite the others; the acknowledged outcome of each (None: deleted)."""
+    assert poll(lambda: c.refresh_membership() or joiner in c.membership.owners(), 15)
+    moved = [k for k, o in zip(keys, c.owners(keys)) if o == joiner and before[k] == owner]
+    assert moved, f"none of {owner}'s keys moved to {joiner}"
+    latest = {}
+    dels, ovw = moved[0::2], moved[1::2]
+    for k, s in zip(dels, c.delete_status(dels)):
+        if s.name in ("OK", "NOT_FOUND"):
+            latest[k] = None
+    for k, s in zip(ovw, c.put(ovw, [b"V2:" + k for k in ovw])):
+        if s.name == "OK":
+            latest[k] = b"V2:" + k
+    assert len(latest) > len(moved) // 2, "the joiner did not take the writes"
+    return latest
+
+
+def drain_and_wait(mc, node):
+    mc.call("Drain", {"node": node}, timeout_s=5)
+    assert poll(lambda: node not in {r["id"] for r in mc.membership()["nodes"]}, 30), f"{node} did not leave"
+
+
+def serving(c, node):
+    """Whether ``node`` takes a write again (a fresh key it owns)."""
+    c.refresh_membership()
+    key = next(k for k in (b"probe-%d" % i for i in range(1000)) if c.owners([k])[0] == node)
+    return c.put([key], [b"x"])[0].name == "OK"
+
+
+def stale_reads(c, latest):
+    got = c.get(list(latest))
+    return [k for (k, want), g in zip(latest.items(), got) if g is not None and (want is None or bytes(g) != want)]
+
+
+def test_a_node_stopped_while_its_keys_moved_away_and_back_serves_none_of_its_old_copies(tmp_path):
+    """node0 is stopped (past fence-after, not declared down); node2 joins, takes writes and
+    deletes of keys it took from node0, and is drained; node0 resumes, having missed two changes
+    of the ring. Before: it served its old copies of all of them (474 of 474 in the probe)."""
+    cl = LocalCluster(nodes=2, mem="64MiB", masters=1, root=str(tmp_path / "c"),
+                      master_args=["--suspect-after", "30", "--down-after", "40"]).start()
+    a = cl.daemons[0]
+    try:
+        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
+        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
+                    on_node_error=OnNodeError.MISS) as c:
+            keys = [b"key-%d" % i for i in range(1000)]
+            assert all(s.name == "OK" for s in c.put(keys, [b"V1:" + k for k in keys]))
+            before = dict(zip(keys, c.owners(keys)))
+            a.proc.send_signal(signal.SIGSTOP)
+            joiner = cl.add_node().node_id
+            latest = moved_and_rewritten(c, keys, before, joiner)
+            drain_and_wait(mc, joiner)
+            a.proc.send_signal(signal.SIGCONT)
+            assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+            assert not stale_reads(c, latest)
+            assert c.stats()["node0"]["dropped_missed_ring"] > 0  # it knew it missed changes of the ring
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        cl.stop()
+
+
+def test_a_node_restarted_from_its_disk_after_its_keys_moved_away_and_back_keeps_none_of_them(tmp_path):
+    """node0 is killed; node2 joins, takes writes and deletes of node0's keys and is drained;
+    node0 restarts from its disk before it is declared down (the masters say it was still up).
+    Before: it kept and served what it recovered (38 of 38 stale in the probe)."""
+    cl = LocalCluster(nodes=2, mem="4MiB", disk="64MiB", masters=1, root=str(tmp_path / "c"),
+                      master_args=["--suspect-after", "10", "--down-after", "20"]).start()
+    try:
+        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
+        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
+                    on_node_error=OnNodeError.MISS) as c:
+            keys = [b"k%d" % i for i in range(300)]
+            for i in range(0, len(keys), 20):
+                c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
+            assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+            before = dict(zip(keys, c.owners(keys)))
+            cl.kill(0)
+            joiner = cl.add_node().node_id
+            latest = moved_and_rewritten(c, keys, before, joiner)
+            drain_and_wait(mc, joiner)
+            cl.restart(0)
+            assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+            assert not stale_reads(c, latest)
+            assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
+    finally:
+        cl.stop()

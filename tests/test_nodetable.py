@@ -48,7 +48,7 @@ def run(table: NodeTable, line: str) -> str:
 def render(table: NodeTable) -> str:
     m = table.membership()
     nodes = " ".join(f"{r['id']}={r['state']}/{r['inc']}/w{r['weight']:g}" for r in m["nodes"]) or "-"
-    lines = [f"epoch {m['epoch']} ring-unit {m['ring']['unit']:g}", f"nodes {nodes}"]
+    lines = [f"epoch {m['epoch']} ring-unit {m['ring']['unit']:g} ring-gen {m['ring_gen']}", f"nodes {nodes}"]
     t = m["transition"]
     if t is None:
         lines.append("transition none")

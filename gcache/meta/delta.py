@@ -39,7 +39,7 @@ def diff(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
                            "gone": [n for n in before if n not in now],
                            "order": list(now) if list(now) != [n for n in before if n in now] + [
                                n for n in now if n not in before] else None,
-                           "ring": cur.get("ring")}
+                           "ring": cur.get("ring"), "ring_gen": cur.get("ring_gen")}
     t, pt = cur.get("transition"), prev.get("transition")
     if t is None:
         out["transition"] = None
@@ -73,4 +73,7 @@ def apply(prev: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     else:
         transition = {"epoch": t["epoch"], "from": t["from"] if "from" in t else owners_of(prev),
                       "ring": t.get("ring"), "pending": []}
-    return {"epoch": d["epoch"], "nodes": list(nodes.values()), "ring": d.get("ring"), "transition": transition}
+    out = {"epoch": d["epoch"], "nodes": list(nodes.values()), "ring": d.get("ring"), "transition": transition}
+    if d.get("ring_gen") is not None:
+        out["ring_gen"] = d["ring_gen"]
+    return out

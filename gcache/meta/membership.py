@@ -48,6 +48,7 @@ class Membership:
     previous: tuple[Node, ...] | None = None
     ring: RingParams | None = None
     previous_ring: RingParams | None = None
+    ring_gen: int = 0  # the masters' count of ring changes (NodeTable.ring_gen)
 
     @classmethod
     def from_master(cls, m: dict[str, Any]) -> Membership:
@@ -57,7 +58,7 @@ class Membership:
         prev = tuple(Node(r["id"], r["address"], float(r["weight"])) for r in t["from"]) if t else None
         ring = RingParams.from_wire(m["ring"]) if m.get("ring") else None
         prev_ring = RingParams.from_wire(t["ring"]) if t and t.get("ring") else None
-        return cls(int(m["epoch"]), nodes, prev, ring, prev_ring)
+        return cls(int(m["epoch"]), nodes, prev, ring, prev_ring, int(m.get("ring_gen") or 0))
 
     @classmethod
     def from_addresses(cls, addresses: Iterable[str], epoch: int = 0) -> Membership:

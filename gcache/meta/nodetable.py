@@ -45,6 +45,9 @@ class NodeTable:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.transition: dict[str, Any] | None = None
         self.ring_unit = RingParams().unit
+        # Moves with every change of the ring (owners, weights or ring parameters), not with other
+        # epochs: a daemon that sees it jump by more than one missed a ring (gcache.server.agent).
+        self.ring_gen = 0
 
     # -- commands ---------------------------------------------------------------------------
     def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +143,11 @@ class NodeTable:
     def _changed(self, before: dict[str, dict[str, Any]], must_hand_over: set[str]) -> None:
         self.epoch += 1
         unit_before = self.ring_unit
-        self.ring_unit = RingParams.fit([r["weight"] for r in self._owners().values()], unit_before).unit
+        owners = self._owners()
+        self.ring_unit = RingParams.fit([r["weight"] for r in owners.values()], unit_before).unit
+        if self.ring_unit != unit_before or {n: r["weight"] for n, r in before.items()} != {
+                n: r["weight"] for n, r in owners.items()}:
+            self.ring_gen += 1
         live = {n for n, r in self.nodes.items() if r["state"] in OWNING or r["state"] == "draining"}
         if must_hand_over:
             pending = set(must_hand_over)
@@ -158,14 +165,15 @@ class NodeTable:
         """What clients and daemons route by."""
         t = self.transition
         return {"epoch": self.epoch, "nodes": [dict(r) for r in self.nodes.values()],
-                "ring": RingParams(self.ring_unit).to_wire(),
+                "ring": RingParams(self.ring_unit).to_wire(), "ring_gen": self.ring_gen,
                 "transition": None if t is None else {
                     "epoch": t["epoch"], "from": [dict(r) for r in t["from"]], "ring": dict(t["ring"]),
                     "pending": list(t["pending"])}}
 
     def snapshot(self) -> bytes:
         return msgpack.packb({"v": COMMAND_VERSION, "epoch": self.epoch, "nodes": self.nodes,
-                              "transition": self.transition, "ring_unit": self.ring_unit})
+                              "transition": self.transition, "ring_unit": self.ring_unit,
+                              "ring_gen": self.ring_gen})
 
     def restore(self, blob: bytes) -> None:
         data = msgpack.unpackb(blob)
@@ -173,3 +181,4 @@ class NodeTable:
             raise CommandError(f"snapshot version {data.get('v')!r} not supported")
         self.epoch, self.nodes, self.transition = data["epoch"], data["nodes"], data["transition"]
         self.ring_unit = float(data["ring_unit"])
+        self.ring_gen = int(data.get("ring_gen", 0))

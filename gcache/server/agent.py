@@ -17,8 +17,12 @@
   and took some of its ranges, or this node is draining), it pushes every key it no longer owns
   to the new owner, hottest first, deletes it locally (stored there or not: a copy kept could
   be served again once the ring gives the key back), and reports ``HandoverDone``. Until then
-  clients fall back to it on a miss. A node that gains keys drops the copies it still holds of
-  them before it routes by the new ring (gcache.server.handover.held_gained).
+  clients fall back to it on a miss. At the next change of the ring, before it routes by the
+  new one, a node drops every copy of a key the ring before did not give it (taken back, or
+  not handed over yet: gcache.server.handover.held_unowned); one that missed a change (the
+  masters' ring generation jumped: it was stopped or cut off, or two changes came at once)
+  drops everything, and a restarted one keeps what it recovered from disk only if the ring
+  generation is the one it recorded there.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from gcache.errors import GCacheError
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
-from gcache.server.handover import PutFn, hand_over, held_gained
+from gcache.server.handover import PutFn, hand_over, held_unowned
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
 from gcache.server.vouch import PeerAsk, announce_epoch
@@ -63,12 +67,16 @@ class Agent:
         # (epoch, ring) this node routes by: the newest membership whose ring is built. Read as one
         # tuple; it trails ``epoch`` while a ring is being built.
         self.routing: tuple[int, HashRing | None] = (-1, None)
+        self.routing_gen = -1  # the masters' ring generation of that ring (NodeTable.ring_gen)
         # (ring routed by before a change, set once the nodes that lost keys in it route by the
         # new one): writes of keys this node took over wait for it (``writable``)
         self._gates: list[tuple[HashRing | None, threading.Event]] = []
         self.write_waits = 0  # writes that waited for this node to catch up or for a takeover
         self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
         self._install_lock = threading.Lock()  # one ring change at a time (_install_ring)
+        # after its lease lapsed, the node serves again only once it routes by this epoch: the
+        # cluster went on without it (a node that took over its keys did not wait for it)
+        self._catch_up_to = -1
         self._ring_cond = threading.Condition()
         self._last_tick = 0.0
         self._registered = threading.Event()
@@ -82,7 +90,8 @@ class Agent:
         self._transition: dict[str, Any] | None = None  # the newest membership's open handover
         self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
-        self.dropped_gained = 0  # copies of keys this node gained, held from before another node owned them
+        self.dropped_unowned = 0  # copies of keys the previous ring did not give this node (held_unowned)
+        self.dropped_missed = 0  # keys dropped because this node missed a change of the ring
         self.round_timeout_s = min(0.5, heartbeat_s)
         self._probe_lock = threading.Lock()  # guards _last_round
         self._probe_round = threading.Lock()  # one master round at a time for peers' probes
@@ -92,14 +101,16 @@ class Agent:
         """For STATS: handovers done and keys they moved, keys dropped as held from before (a
         rejoin; copies of keys taken back), writes that waited for this node."""
         return {"handovers": self.handovers, "keys_handed_over": self.keys_handed_over,
-                "dropped_on_rejoin": self.dropped_keys, "dropped_gained": self.dropped_gained,
+                "dropped_on_rejoin": self.dropped_keys, "dropped_unowned": self.dropped_unowned,
+                "dropped_missed_ring": self.dropped_missed,
                 "write_waits": self.write_waits}
 
     # -- what the data plane asks -----------------------------------------------------------
     @property
     def fenced(self) -> bool:
         return (self.left or not self._registered.is_set()
-                or time.monotonic() - self._last_tick > self.fence_after_s)
+                or time.monotonic() - self._last_tick > self.fence_after_s
+                or self.routing[0] < self._catch_up_to)
 
     def owns_by(self, ring: HashRing | None, namespace: str, key: bytes) -> bool:
         """Whether ``ring`` gives ``key`` to this node (a draining node, not in the ring, owns
@@ -181,6 +192,11 @@ class Agent:
                                              "capacity": self.capacity}, timeout_s=5.0)
         if not rejoin and out.get("was") not in OWNING:
             self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
+        elif not rejoin and self.store.recovered_ring_gen != out["membership"].get("ring_gen"):
+            # its ranges may have moved and come back meanwhile (a join, then a drain) without
+            # it being declared down: another node may have owned them and taken writes
+            self._drop(f"the ring changed since this node recorded its data (generation "
+                       f"{self.store.recovered_ring_gen} -> {out['membership'].get('ring_gen')})")
         self.inc = int(out["inc"])
         self._apply_membership(out["membership"], build_now=True)  # fenced until registered anyway
         self._await_previous_owners(out["membership"])
@@ -252,6 +268,7 @@ class Agent:
         return sent_at, replies
 
     def _heartbeat(self) -> None:
+        lapsed = time.monotonic() - self._last_tick > self.fence_after_s  # stopped, starved or cut off
         # cut off or in an outage last round: ask the peers again while this round is waiting
         early = self._peer_ask() if self.mode in (Mode.OUTAGE, Mode.CUT_OFF) else None
         sent_at, replies = self._master_round()
@@ -280,6 +297,8 @@ class Agent:
                             m["epoch"])
                 self._register()
                 return
+            if lapsed and self._registered.is_set():
+                self._catch_up_to = int(m["epoch"])  # fenced until its ring is built (_install_ring)
             self._apply_membership(m)
         self._last_tick = sent_at
         self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
@@ -356,17 +375,23 @@ class Agent:
             self._install_ring_locked(membership, ring)
 
     def _install_ring_locked(self, membership: Membership, ring: HashRing | None) -> None:
-        before = self.routing[1]
+        before, gen = self.routing[1], self.routing_gen
         if membership.epoch < self.routing[0]:
             return
         taken = self._taken_over(before, ring)
-        self._drop_gained(before, ring)
+        if before is not None and gen >= 0 and membership.ring_gen > gen + 1:
+            self._drop_missed(membership.ring_gen - gen - 1)
+        else:
+            self._drop_unowned(before, ring)
         with self._lock:
             losing = self._losing(membership, taken)
             if losing:
                 confirmed = threading.Event()
                 self._gates = [*self._gates, (before, confirmed)]
             self.routing = (membership.epoch, ring)
+            self.routing_gen = membership.ring_gen
+        if membership.ring_gen != gen:
+            self.store.note_ring_gen(membership.ring_gen)
         if losing:
             try:
                 threading.Thread(target=self._close_gate, args=(losing, membership.epoch, confirmed),
@@ -376,19 +401,29 @@ class Agent:
         with self._changed:
             self._changed.notify_all()
 
-    def _drop_gained(self, before: HashRing | None, ring: HashRing | None) -> None:
-        """Before routing by ``ring``: drop the copies this node holds of keys ``ring`` gives it
-        and ``before`` gave another node (gcache.server.handover.held_gained). No new copy of
-        such a key can land meanwhile: a write of it routed by ``before`` is not this node's,
-        one routed by ``ring`` waits until this node routes by it (``writable``)."""
-        keys = held_gained(self.store, before, ring, self.node_id)
+    def _drop_unowned(self, before: HashRing | None, ring: HashRing | None) -> None:
+        """Before routing by ``ring``: drop the copies this node holds of keys ``before`` did not
+        give it (gcache.server.handover.held_unowned). No new copy of a key this node gains can
+        land meanwhile: a write of it routed by ``before`` is not this node's, one routed by
+        ``ring`` waits until this node routes by it (``writable``)."""
+        keys = held_unowned(self.store, before, ring, self.node_id)
         dropped = 0
         for i in range(0, len(keys), 256):  # the store lock is held per slice, not for them all
             dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
         if dropped:
-            self.dropped_gained += dropped
-            log.warning("dropped %d copies of keys this node takes back: held from before another node "
-                        "owned them (a handover that did not finish), they may be older than its writes", dropped)
+            self.dropped_unowned += dropped
+            log.warning("dropped %d copies of keys the previous ring did not give this node (taken back, or not "
+                        "handed over yet): their owner meanwhile may have acknowledged newer writes", dropped)
+
+    def _drop_missed(self, missed: int) -> None:
+        """This node missed ``missed`` changes of the ring (it was stopped or cut off, or two
+        came at once): it cannot tell which of its keys another node owned meanwhile and took
+        writes for, so it drops everything (its touch log stays: it still vouches for what
+        clients wrote here)."""
+        n = self.store.drop_all()
+        self.dropped_missed += n
+        log.warning("missed %d change(s) of the ring: dropped all %d keys held (another node may have owned them "
+                    "meanwhile)", missed, n)
 
     def _taken_over(self, before: HashRing | None, ring: HashRing | None) -> set[str] | None:
         """The nodes whose keys this node takes over from ``before`` to ``ring`` while a handover

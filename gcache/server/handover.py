@@ -10,8 +10,9 @@ and is deleted here once stored there, unless a newer value was written here mea
 A copy its new owner did not take (that node failed, refused the value, or was gone) is deleted
 here too: kept, it would come back as this node's value once the ring gives the key back (the
 other node leaves or fails), though that node may have acknowledged newer writes of the key
-meanwhile. For the same reason a node that gains keys drops any copy it still holds of them
-(``held_gained``): such a copy is from before another node owned the key.
+meanwhile. For the same reason, at the next change of the ring a node drops every copy of a
+key the ring before it did not give this node (``held_unowned``): one it takes back, or one a
+handover has not pushed yet.
 """
 
 from __future__ import annotations
@@ -74,21 +75,23 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
     return moved
 
 
-def held_gained(store: Store, before: HashRing | None, ring: HashRing | None, node_id: str) -> list[tuple[str, bytes]]:
-    """The keys ``store`` holds that ``ring`` gives ``node_id`` and ``before`` gave another node:
-    copies from before that node owned them (a handover that did not finish, or whose push
-    failed), which may be older than what that node acknowledged since. Empty when either ring
-    is missing or the rings are the same."""
-    if before is None or ring is None or node_id not in ring.node_ids or ring.same_as(before):
+def held_unowned(store: Store, before: HashRing | None, ring: HashRing | None,
+                 node_id: str) -> list[tuple[str, bytes]]:
+    """At a change of the ring from ``before`` to ``ring``: the keys ``store`` holds that
+    ``before`` did not give ``node_id``. Some ``ring`` gives back to this node (a joiner failed
+    or left before the handover to it finished); the others are copies of keys lost in an
+    earlier change and not handed over yet. Their owner under ``before`` may have acknowledged
+    newer writes meanwhile: served, or pushed to another node than that one (whose touch log
+    knows nothing of those writes), they could be older than what was acknowledged. Empty when
+    either ring is missing or they are the same."""
+    if before is None or ring is None or ring.same_as(before):
         return []
     by_ns: dict[str, list[bytes]] = defaultdict(list)
     for ns, key in store.keys_hottest_first():
         by_ns[ns].append(key)
-    me_now = ring.node_ids.index(node_id)
-    me_before = before.node_ids.index(node_id) if node_id in before.node_ids else -1
+    me = before.node_ids.index(node_id) if node_id in before.node_ids else -1
     out = []
     for ns, keys in by_ns.items():
-        hashes = key_hashes(ns, keys)  # once for both rings
-        gained = (ring.owner_indices(hashes) == me_now) & (before.owner_indices(hashes) != me_before)
-        out += [(ns, keys[i]) for i in np.flatnonzero(gained).tolist()]
+        unowned = before.owner_indices(key_hashes(ns, keys)) != me
+        out += [(ns, keys[i]) for i in np.flatnonzero(unowned).tolist()]
     return out

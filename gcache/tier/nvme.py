@@ -114,6 +114,8 @@ class NvmeTier:
         self._last_error_log = 0.0
         self._errors_unlogged = 0
         self._discard_if_unclean()
+        # the masters' ring generation this node last routed by with these segments (agent)
+        self.recovered_ring_gen = _read_ring_gen(directory)
         self._recover()
         _write_state(directory, clean=False)
 
@@ -443,6 +445,17 @@ class NvmeTier:
             log.info("nvme: recovered %d keys from %d segments (%d bytes, %d damaged segments)", len(self.index),
                      len(names), self.used, damaged)
 
+    def save_ring_gen(self, gen: int) -> None:
+        """Record the ring generation this node now routes by (not fsync'd: a lost or older
+        record only makes a restart drop what it recovered)."""
+        path = os.path.join(self.directory, RING_GEN_FILE)
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{gen}\n")
+            os.replace(path + ".tmp", path)
+        except OSError as exc:
+            self._log_error("cannot record the ring generation in %s: %s", path, exc)
+
     def close(self) -> None:
         """Stop; a clean stop makes the segments durable (fsync), so a reboot may keep them."""
         self.sweep()
@@ -486,6 +499,15 @@ def _over_file_limit(end: int) -> bool:
 
 
 STATE_FILE = "tier.state"
+RING_GEN_FILE = "ring.gen"
+
+
+def _read_ring_gen(directory: str) -> int | None:
+    try:
+        with open(os.path.join(directory, RING_GEN_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _boot_id() -> str:

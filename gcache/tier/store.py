@@ -554,6 +554,17 @@ class Store:
                 self._lock.wait(remaining)
         return True
 
+    @property
+    def recovered_ring_gen(self) -> int | None:
+        """The ring generation recorded with the NVMe data recovered at start (None: none)."""
+        return self.nvme.recovered_ring_gen if self.nvme is not None else None
+
+    def note_ring_gen(self, gen: int) -> None:
+        """Record with the NVMe data the ring generation this node routes by (read back at the
+        next start: recovered_ring_gen)."""
+        if self.nvme is not None:
+            self.nvme.save_ring_gen(gen)
+
     def drop_all(self) -> int:
         """Forget every value: RAM, queued for demotion and on disk (files removed, so a restart
         does not bring them back either). A daemon that was declared down does this before it

@@ -6,7 +6,7 @@ import pytest
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 from gcache.protocol import Status
-from gcache.server.handover import hand_over, held_gained
+from gcache.server.handover import hand_over, held_unowned
 from gcache.tier.store import Store, StoreConfig
 from tests.conftest import read
 
@@ -72,12 +72,13 @@ def test_a_value_written_here_while_it_was_pushed_is_kept(store):
     assert [k for k in keys if store.exists((NS, k))] == rewritten and read(store, (NS, rewritten[0])) == b"newer"
 
 
-def test_held_gained_names_the_copies_of_keys_a_ring_gives_back(store):
+def test_held_unowned_names_the_copies_the_ring_before_did_not_give_this_node(store):
     keys = fill(store)
     three, two = HashRing({"n0": 1.0, "n1": 1.0, "n2": 1.0}), HashRing({"n0": 1.0, "n1": 1.0})
-    gained = {k for k in keys if three.owner(NS, k) != "n0" and two.owner(NS, k) == "n0"}
-    assert gained
-    assert {k for _ns, k in held_gained(store, three, two, "n0")} == gained
-    assert held_gained(store, two, HashRing({"n0": 1.0, "n1": 1.0}), "n0") == []  # the same ring
-    assert held_gained(store, None, two, "n0") == []  # no ring before: nothing to compare
-    assert held_gained(store, three, HashRing({"n1": 1.0}), "n0") == []  # not in the ring: gains nothing
+    unowned = {k for k in keys if three.owner(NS, k) != "n0"}  # taken back by `two`, or lost to n1
+    assert {k for k in unowned if two.owner(NS, k) == "n0"} and {k for k in unowned if two.owner(NS, k) == "n1"}
+    assert {k for _ns, k in held_unowned(store, three, two, "n0")} == unowned
+    assert held_unowned(store, two, HashRing({"n0": 1.0, "n1": 1.0}), "n0") == []  # the same ring
+    assert held_unowned(store, None, two, "n0") == []  # no ring before: nothing to compare
+    # a node the ring before left out (draining) owned nothing there: everything it holds
+    assert len(held_unowned(store, HashRing({"n1": 1.0}), two, "n0")) == len(keys)
