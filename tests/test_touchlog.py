@@ -55,3 +55,15 @@ def test_clear_after_a_drop():
     log.touch(K)
     log.clear()
     assert not log.touched(K) and log.admit(K, lambda k: False, lambda: None)
+
+
+def test_a_distrusted_log_refuses_pushes_until_the_handover_closes_and_ttl_passes():
+    """A daemon restarted while its incarnation stayed up lost the log of what clients did here."""
+    clock = Clock()
+    log = TouchLog(ttl_s=30, clock=clock)
+    log.distrust()
+    log.set_handover_open(True)
+    clock.t += 100
+    assert not log.admit(K, lambda k: False, lambda: None) and log.touched(K)
+    log.set_handover_open(False)
+    assert log.admit(K, lambda k: False, lambda: None) and not log.touched(("ns", b"other"))

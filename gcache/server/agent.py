@@ -197,6 +197,8 @@ class Agent:
             # it being declared down: another node may have owned them and taken writes
             self._drop(f"the ring changed since this node recorded its data (generation "
                        f"{self.store.recovered_ring_gen} -> {out['membership'].get('ring_gen')})")
+        if not rejoin and out.get("was") in OWNING:
+            self.touchlog.distrust()  # clients wrote here before the restart: pushes may be older
         self.inc = int(out["inc"])
         self._apply_membership(out["membership"], build_now=True)  # fenced until registered anyway
         self._await_previous_owners(out["membership"])

@@ -66,6 +66,14 @@ class TouchLog:
             self.handover_open = is_open
             self._prune(self._clock())
 
+    def distrust(self) -> None:
+        """Vouch for nothing, as after an overflow: a daemon restarted while its incarnation
+        stayed up kept its data but lost this log of what clients wrote and deleted here before,
+        so a pushed copy could bring back a key a client deleted."""
+        with self._lock:
+            self._when.clear()
+            self._overflow_at = self._clock()
+
     def clear(self) -> None:
         """Forget every entry (the daemon dropped its data: what clients wrote before is gone)."""
         with self._lock:
