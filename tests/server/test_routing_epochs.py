@@ -44,14 +44,22 @@ def register(t, i):
     t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB})
 
 
-def join_then_joiner_down():
-    """n0 and n1, then n2 joins, then n2 is declared down: the three memberships, in order."""
-    t = NodeTable()
+def joins(more, table=None):
+    """n0 and n1, then ``more`` nodes join one by one (n2, n3, ...): the membership before and
+    after each join, and the table."""
+    t = table or NodeTable()
     for i in range(2):
         register(t, i)
-    before = t.membership()
-    register(t, 2)
-    joined = t.membership()
+    out = [t.membership()]
+    for i in range(2, 2 + more):
+        register(t, i)
+        out.append(t.membership())
+    return out, t
+
+
+def join_then_joiner_down():
+    """n0 and n1, then n2 joins, then n2 is declared down: the three memberships, in order."""
+    (before, joined), t = joins(1)
     t.apply({"v": 1, "op": "set_state", "node": "n2", "inc": 1, "state": "down"})
     return before, joined, t.membership()
 
@@ -218,15 +226,20 @@ def in_thread(fn, *args):
     return t, out
 
 
-def test_a_write_from_a_client_ahead_waits_until_this_node_routes_by_its_epoch(node):
+def ahead_write_waits_then_lands(node, key, **meta):
+    """A PUT of ``key`` from a client at the new epoch waits until ``node`` routes by it, then lands."""
     c = node.connect()
-    t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [node.kept], "sizes": [3], "ep": node.e2}, b"new")
+    t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [key], "sizes": [3], "ep": node.e2, **meta}, b"new")
     assert poll(lambda: node.agent.write_waits == 1, 5)
-    assert not node.store.exists((NS, node.kept))
+    assert not node.store.exists((NS, key))
     node.learn_epoch()
     node.build_ring()
     t.join(5)
-    assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, node.kept)) == b"new"
+    assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, key)) == b"new"
+
+
+def test_a_write_from_a_client_ahead_waits_until_this_node_routes_by_its_epoch(node):
+    ahead_write_waits_then_lands(node, node.kept)
 
 
 def test_a_write_from_a_client_ahead_is_refused_if_this_node_cannot_catch_up(node, monkeypatch):
@@ -374,15 +387,7 @@ def test_a_pushed_copy_from_a_node_ahead_lands_only_once_this_node_routes_by_its
     node = Node(drain, "n0")
     try:
         assert node.gained is not None
-        c = node.connect()
-        t, out = in_thread(call, c, Op.PUT, {"ns": NS, "keys": [node.gained], "sizes": [3], "ep": node.e2, "ho": 1},
-                           b"new")
-        assert poll(lambda: node.agent.write_waits == 1, 5)
-        assert not node.store.exists((NS, node.gained))
-        node.learn_epoch()
-        node.build_ring()
-        t.join(5)
-        assert out["r"]["st"] == [Status.OK] and read(node.store, (NS, node.gained)) == b"new"
+        ahead_write_waits_then_lands(node, node.gained, ho=1)
         assert node.agent.dropped_unowned == 0
     finally:
         node.close()
@@ -417,13 +422,7 @@ def test_a_gate_whose_peers_cannot_be_asked_opens_only_after_fence_after(monkeyp
 # n0 served its old copies, or pushed them to n3, whose touch log knew nothing of n2's writes.)
 
 def test_a_node_that_missed_a_change_of_the_ring_drops_everything(announced):
-    t = NodeTable()
-    for i in range(2):
-        register(t, i)
-    before = t.membership()
-    register(t, 2)  # a join this node never sees...
-    register(t, 3)  # ...and the next one
-    after = t.membership()
+    (before, _, after), _t = joins(2)  # two joins this node never sees
     assert after["ring_gen"] == before["ring_gen"] + 2
     node = Node(lambda: (before, after))
     try:
@@ -440,14 +439,7 @@ def test_a_node_that_missed_a_change_of_the_ring_drops_everything(announced):
 def test_copies_a_handover_has_not_pushed_are_dropped_at_the_next_change_of_the_ring(announced):
     """n0 lost `moved` to n2 and has not pushed it when n3 joins: n2 may have taken writes of
     it, which n3's touch log would not know of."""
-    t = NodeTable()
-    for i in range(2):
-        register(t, i)
-    before = t.membership()
-    register(t, 2)
-    joined = t.membership()
-    register(t, 3)
-    again = t.membership()
+    (before, joined, again), _t = joins(2)
     node = Node(lambda: (before, joined))
     try:
         ring3 = Membership.from_master(again).build_ring()
