@@ -20,8 +20,7 @@
   clients fall back to it on a miss. At the next change of the ring, before it routes by the
   new one, a node drops every copy of a key the ring before did not give it (taken back, or
   not handed over yet: gcache.server.handover.held_unowned); one that missed a change (the
-  masters' ring generation jumped: it was stopped or cut off, or two changes came at once)
-  drops everything, and a restarted one keeps what it recovered from disk only if the ring
+  masters' ring generation jumped: it was stopped or cut off) drops everything, and a restarted one keeps what it recovered from disk only if the ring
   generation is the one it recorded there.
 """
 
