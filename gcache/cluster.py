@@ -126,10 +126,16 @@ class LocalCluster:
 
     def add_node(self) -> DaemonProc:
         """Start one more daemon (it registers and takes its share of the ring)."""
-        d = self._new_daemon()
-        self._spawn(d, "127.0.0.1:0")
-        self._wait_ready(d)
-        return d
+        return self.add_nodes(1)[0]
+
+    def add_nodes(self, n: int) -> list[DaemonProc]:
+        """Start ``n`` more daemons at once (they register concurrently), then wait for all."""
+        new = [self._new_daemon() for _ in range(n)]
+        for d in new:
+            self._spawn(d, "127.0.0.1:0")
+        for d in new:
+            self._wait_ready(d)
+        return new
 
     def _start_masters(self) -> None:
         assert self.root is not None and self.token_file is not None

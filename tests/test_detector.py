@@ -24,7 +24,7 @@ def clock():
 
 @pytest.fixture
 def fd(clock):
-    return FailureDetector(suspect_after_s=2.0, down_after_s=3.0, clock=clock)
+    return FailureDetector(suspect_after_s=2.0, down_after_s=3.0, clock=clock, pause_s=None)  # steps of seconds
 
 
 def verdicts(fd, rows):
@@ -108,3 +108,26 @@ def test_thresholds_are_checked():
         FailureDetector(3.0, 2.0)
     with pytest.raises(ConfigError):
         FailureDetector(0.0, 2.0)
+
+
+def test_a_leader_that_did_not_run_for_a_while_gives_everyone_a_full_grace_period(clock):
+    """A leader paused (SIGSTOP, a VM stall) heard nothing meanwhile and may have been replaced:
+    before, it declared every live node DOWN once continued (its verdicts reach the new leader)."""
+    fd = FailureDetector(suspect_after_s=2.0, down_after_s=3.0, clock=clock)
+    fd.leadership(True)
+    fd.heard("a", 1)
+
+    def run(seconds):  # the detector loop: a call every 0.1 s
+        out = []
+        for _ in range(round(seconds / 0.1)):
+            clock.t += 0.1
+            out += verdicts(fd, [("a", 1, "up")])
+        return out
+
+    assert run(1.0) == []
+    clock.t += 4.5  # paused: no calls, no heartbeats
+    assert verdicts(fd, [("a", 1, "up")]) == []  # not DOWN
+    fd.heard("a", 1)  # heard again soon after
+    assert run(1.9) == []
+    # a node that really went silent is still judged, after the grace period
+    assert run(0.3)[:1] == [("a", 1, "suspect")]

@@ -5,6 +5,9 @@ Every master records when it last heard each node's incarnation (``heard``). Onl
 changes to propose (UP -> SUSPECT -> DOWN, and back to UP once heard again). Grace periods:
 
 * a new leader counts silence from when it became leader, never from before;
+* so does a leader that did not run for a while (paused or starved past PAUSE_S: it heard
+  nothing meanwhile, and may have lost the leadership without knowing yet; before this, a
+  leader continued after a SIGSTOP declared every live node DOWN);
 * an incarnation this master has not heard from yet (a node that registered through another
   master, or just re-registered) gets a full grace period from when it is first seen here.
 """
@@ -29,15 +32,22 @@ class Verdict:
     silent_s: float
 
 
+PAUSE_S = 1.0  # verdicts() is called every 0.1 s; a gap this long means this master did not run
+
+
 class FailureDetector:
     def __init__(self, suspect_after_s: float, down_after_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pause_s: float | None = PAUSE_S) -> None:
+        """``pause_s``: a gap between two verdicts() calls longer than this is a pause (None:
+        never; for tests that step the clock by seconds between calls)."""
         if not 0 < suspect_after_s < down_after_s:
             raise ConfigError("need 0 < suspect_after < down_after")
         self.suspect_after_s, self.down_after_s = suspect_after_s, down_after_s
+        self.pause_s = pause_s
         self.clock = clock
         self._seen: dict[str, tuple[int, float]] = {}  # node -> (incarnation, when heard)
         self._leader_since: float | None = None
+        self._last_verdicts: float | None = None  # when verdicts() last ran (a pause shows as a gap)
         self._lock = threading.Lock()  # heartbeats may arrive on other threads than the detector's
 
     def heard(self, node: str, inc: int) -> None:
@@ -66,7 +76,14 @@ class FailureDetector:
         now = self.clock()
         out: list[Verdict] = []
         with self._lock:
+            last, self._last_verdicts = self._last_verdicts, now
             if self._leader_since is None:
+                return out
+            if self.pause_s is not None and last is not None and now - last > self.pause_s:
+                # this master was paused or starved (SIGSTOP, a VM stall): what it did not hear
+                # meanwhile says nothing about the nodes, and it may no longer lead (a verdict
+                # would still be forwarded to the new leader): a full grace period, as for a new leader
+                self._leader_since = now
                 return out
             present = set()
             for node, inc, state in nodes:

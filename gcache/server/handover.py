@@ -11,8 +11,8 @@ A copy its new owner did not take (that node failed, refused the value, or was g
 here too: kept, it would come back as this node's value once the ring gives the key back (the
 other node leaves or fails), though that node may have acknowledged newer writes of the key
 meanwhile. For the same reason, at the next change of the ring a node drops every copy of a
-key the ring before it did not give this node (``held_unowned``): one it takes back, or one a
-handover has not pushed yet.
+key the ring before gave another node whose owner changes (``held_unowned``): one it takes
+back, or one a handover has not pushed yet and whose owner moves on.
 """
 
 from __future__ import annotations
@@ -78,20 +78,25 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
 def held_unowned(store: Store, before: HashRing | None, ring: HashRing | None,
                  node_id: str) -> list[tuple[str, bytes]]:
     """At a change of the ring from ``before`` to ``ring``: the keys ``store`` holds that
-    ``before`` did not give ``node_id``. Some ``ring`` gives back to this node (a joiner failed
-    or left before the handover to it finished); the others are copies of keys lost in an
-    earlier change and not handed over yet. Their owner under ``before`` may have acknowledged
-    newer writes meanwhile: served, or pushed to another node than that one (whose touch log
-    knows nothing of those writes), they could be older than what was acknowledged. Empty when
-    either ring is missing or they are the same."""
+    ``before`` gave another node and that changed owner in this change. Some ``ring`` gives back
+    to this node (a joiner failed or left before the handover to it finished); the others are
+    copies of keys lost in an earlier change, not handed over yet, whose owner moves on now.
+    Their owner under ``before`` may have acknowledged newer writes: served, or pushed to the
+    new owner (whose touch log knows nothing of those writes), a copy could be older than what
+    was acknowledged. (One whose owner stays is still pushed to it: that node's touch log knows
+    its own writes.) Empty when either ring is missing or they are the same."""
     if before is None or ring is None or ring.same_as(before):
         return []
     by_ns: dict[str, list[bytes]] = defaultdict(list)
     for ns, key in store.keys_hottest_first():
         by_ns[ns].append(key)
     me = before.node_ids.index(node_id) if node_id in before.node_ids else -1
+    # each node of ``before`` as an index into ``ring``'s nodes (-1: not in it)
+    now_index = np.array([ring.node_ids.index(n) if n in ring.node_ids else -1 for n in before.node_ids], np.intp)
     out = []
     for ns, keys in by_ns.items():
-        unowned = before.owner_indices(key_hashes(ns, keys)) != me
-        out += [(ns, keys[i]) for i in np.flatnonzero(unowned).tolist()]
+        hashes = key_hashes(ns, keys)  # once for both rings
+        was = before.owner_indices(hashes)
+        moved = (was != me) & (now_index[was] != ring.owner_indices(hashes))
+        out += [(ns, keys[i]) for i in np.flatnonzero(moved).tolist()]
     return out

@@ -72,13 +72,22 @@ def test_a_value_written_here_while_it_was_pushed_is_kept(store):
     assert [k for k in keys if store.exists((NS, k))] == rewritten and read(store, (NS, rewritten[0])) == b"newer"
 
 
-def test_held_unowned_names_the_copies_the_ring_before_did_not_give_this_node(store):
-    keys = fill(store)
-    three, two = HashRing({"n0": 1.0, "n1": 1.0, "n2": 1.0}), HashRing({"n0": 1.0, "n1": 1.0})
-    unowned = {k for k in keys if three.owner(NS, k) != "n0"}  # taken back by `two`, or lost to n1
-    assert {k for k in unowned if two.owner(NS, k) == "n0"} and {k for k in unowned if two.owner(NS, k) == "n1"}
-    assert {k for _ns, k in held_unowned(store, three, two, "n0")} == unowned
+def test_held_unowned_names_the_copies_whose_owner_in_between_changes(store):
+    keys = fill(store, 400)
+    two = HashRing({"n0": 1.0, "n1": 1.0})
+    three, four = HashRing({"n0": 1.0, "n1": 1.0, "n2": 1.0}), HashRing({"n0": 1.0, "n1": 1.0, "n2": 1.0, "n3": 1.0})
+    # n2 leaves: every key n0 held that n2 owned comes back (to n0 or n1)
+    back = {k for k in keys if three.owner(NS, k) == "n2"}
+    assert back and {k for _ns, k in held_unowned(store, three, two, "n0")} == back | {
+        k for k in keys if three.owner(NS, k) == "n1" and two.owner(NS, k) != "n1"}
+    # n3 joins: of the copies n0 had not pushed yet, those n3 takes; those whose owner stays
+    # (n1 or n2) are still pushed there
+    moving = {k for k in keys if three.owner(NS, k) != "n0" and four.owner(NS, k) != three.owner(NS, k)}
+    assert moving and {k for _ns, k in held_unowned(store, three, four, "n0")} == moving
+    staying = {k for k in keys if three.owner(NS, k) != "n0" and four.owner(NS, k) == three.owner(NS, k)}
+    assert staying and not staying & moving
     assert held_unowned(store, two, HashRing({"n0": 1.0, "n1": 1.0}), "n0") == []  # the same ring
     assert held_unowned(store, None, two, "n0") == []  # no ring before: nothing to compare
-    # a node the ring before left out (draining) owned nothing there: everything it holds
-    assert len(held_unowned(store, HashRing({"n1": 1.0}), two, "n0")) == len(keys)
+    # a node the ring before left out (draining) owned nothing there: what changes owner
+    drained = {k for k in keys if HashRing({"n1": 1.0, "n2": 1.0}).owner(NS, k) != three.owner(NS, k)}
+    assert {k for _ns, k in held_unowned(store, HashRing({"n1": 1.0, "n2": 1.0}), three, "n0")} == drained

@@ -437,23 +437,28 @@ def test_a_node_that_missed_a_change_of_the_ring_drops_everything(announced):
 
 
 def test_copies_a_handover_has_not_pushed_are_dropped_at_the_next_change_of_the_ring(announced):
-    """n0 lost `moved` to n2 and has not pushed it when n3 joins: n2 may have taken writes of
-    it, which n3's touch log would not know of."""
+    """n0 lost two keys to n2 and has not pushed them when n3 joins: the one n3 takes now is
+    dropped (n2 may have taken writes of it, which n3's touch log would not know of); the one
+    n2 keeps is still pushed to n2 (whose touch log knows its own writes)."""
     (before, joined, again), _t = joins(2)
     node = Node(lambda: (before, joined))
     try:
-        ring3 = Membership.from_master(again).build_ring()
-        kept = next(k for k in (b"k%d" % i for i in range(400))
-                    if all(Membership.from_master(m).build_ring().owner(NS, k) == "n0" for m in (before, joined, again)))
-        for k in (node.moved, kept):
+        rings = [Membership.from_master(m).build_ring() for m in (before, joined, again)]
+
+        def key(*owners):
+            return next(k for k in (b"k%d" % i for i in range(2000))
+                        if tuple(r.owner(NS, k) for r in rings) == owners)
+
+        to_n3, stays_n2, kept = key("n0", "n2", "n3"), key("n0", "n2", "n2"), key("n0", "n0", "n0")
+        for k in (to_n3, stays_n2, kept):
             assert node.store.put((NS, k), b"old") is Status.OK
         node.learn_epoch()
         node.build_ring()  # n0 routes by the join; its handover has not run
-        assert node.store.exists((NS, node.moved))
         m = Membership.from_master(again)
         node.agent._apply_membership(again)
-        node.agent._install_ring(m, ring3)
-        assert not node.store.exists((NS, node.moved)) and node.agent.dropped_unowned == 1
-        assert read(node.store, (NS, kept)) == b"old" and node.agent.dropped_missed == 0
+        node.agent._install_ring(m, rings[2])
+        assert not node.store.exists((NS, to_n3)) and node.agent.dropped_unowned == 1
+        assert node.store.exists((NS, stays_n2)) and read(node.store, (NS, kept)) == b"old"
+        assert node.agent.dropped_missed == 0
     finally:
         node.close()
