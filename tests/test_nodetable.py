@@ -83,3 +83,21 @@ def test_weight_is_capacity_in_gib():
     t = NodeTable()
     t.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": 64 * GiB})
     assert t.nodes["a"]["weight"] == 64.0
+
+
+def test_the_table_keeps_the_last_rings_by_generation():
+    t = NodeTable()
+    for n in ("a", "b", "c"):
+        t.apply({"v": 1, "op": "register", "node": n, "address": f"10.0.0.{ord(n)}:1", "capacity": GiB})
+    t.apply({"v": 1, "op": "set_state", "node": "c", "inc": 1, "state": "down"})
+    t.apply({"v": 1, "op": "register", "node": "c", "address": "10.0.0.99:1", "capacity": GiB})
+    assert t.ring_gen == 5
+    rings = t.rings_after(3)
+    assert [r["gen"] for r in rings] == [4, 5]
+    assert sorted(rings[0]["owners"]) == ["a", "b"] and sorted(rings[1]["owners"]) == ["a", "b", "c"]
+    assert rings[0]["ring"] == t.membership()["ring"]
+    assert t.rings_after(5) == [] and len(t.rings_after(0)) == 5
+    blob = t.snapshot()
+    t2 = NodeTable()
+    t2.restore(blob)
+    assert t2.rings_after(4) == rings[1:] and t2.rings_after(3) is None  # older ones are not in snapshots

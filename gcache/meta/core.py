@@ -108,6 +108,10 @@ class Core:
                     self.send(("reply", msg[1], True, self.status()))
                 elif op == "health":
                     self.send(("reply", msg[1], True, self.health()))
+                elif op == "rings":
+                    with self.lock:
+                        rings = self.table.rings_after(int(msg[2]))
+                    self.send(("reply", msg[1], True, rings))
         except (EOFError, OSError):  # the front is gone
             pass
         finally:

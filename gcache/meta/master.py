@@ -107,6 +107,7 @@ class Master:
             "Drain": rpc.unary(tok, self.drain),
             "HandoverDone": rpc.unary(tok, self.handover_done),
             "Status": rpc.unary(tok, self.status),
+            "Rings": rpc.unary(tok, self.rings),
         }
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE, handlers),))
         host, _, port = self.config.listen.rpartition(":")
@@ -283,6 +284,18 @@ class Master:
     async def handover_done(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         return await self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
                                    context)
+
+    async def rings(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        """The rings of generations after ``after`` (NodeTable.rings_after; None: not all held
+        here): for a daemon that missed some changes of the ring."""
+        after = req.get("after")
+        if not isinstance(after, int):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Rings needs an int 'after'")
+        try:
+            _ok, rings = await self._ask("rings", after, timeout_s=5.0)
+        except (CoreGone, TimeoutError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this master's core does not answer")
+        return {"rings": rings}
 
     async def status(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         """This master's Raft view, the membership and heartbeat ages; with ``brief`` only the

@@ -18,6 +18,7 @@ transition's previous owners), so that every client and daemon builds the same r
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -28,6 +29,7 @@ COMMAND_VERSION = 1
 GiB = 1 << 30
 OWNING = ("up", "suspect")
 STATES = ("up", "suspect", "down", "draining")
+RING_HISTORY = 16  # rings kept for daemons that missed some (NodeTable.rings_after)
 
 
 class CommandError(ValueError):
@@ -48,6 +50,9 @@ class NodeTable:
         # Moves with every change of the ring (owners, weights or ring parameters), not with other
         # epochs: a daemon that sees it jump by more than one missed a ring (gcache.server.agent).
         self.ring_gen = 0
+        # the last RING_HISTORY rings by generation (derived from the commands, not in the
+        # snapshot): a daemon that missed some rebuilds them to tell which keys moved meanwhile
+        self.ring_history: deque[dict[str, Any]] = deque(maxlen=RING_HISTORY)
 
     # -- commands ---------------------------------------------------------------------------
     def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -148,6 +153,7 @@ class NodeTable:
         if self.ring_unit != unit_before or {n: r["weight"] for n, r in before.items()} != {
                 n: r["weight"] for n, r in owners.items()}:
             self.ring_gen += 1
+            self._record_ring()
         live = {n for n, r in self.nodes.items() if r["state"] in OWNING or r["state"] == "draining"}
         if must_hand_over:
             pending = set(must_hand_over)
@@ -159,6 +165,18 @@ class NodeTable:
             self.transition["pending"] = sorted(set(self.transition["pending"]) & live)
         if self.transition is not None and not self.transition["pending"]:
             self.transition = None
+
+    def _record_ring(self) -> None:
+        self.ring_history.append({"gen": self.ring_gen, "ring": RingParams(self.ring_unit).to_wire(),
+                                  "owners": {n: r["weight"] for n, r in self._owners().items()}})
+
+    def rings_after(self, gen: int) -> list[dict[str, Any]] | None:
+        """The rings of generations ``gen + 1`` to the current one (``{"gen", "ring", "owners"}``),
+        or None when this table no longer holds (or never held) all of them."""
+        out = [r for r in self.ring_history if r["gen"] > gen]
+        if self.ring_gen > gen and (not out or out[0]["gen"] != gen + 1):
+            return None
+        return out
 
     # -- views ------------------------------------------------------------------------------
     def membership(self) -> dict[str, Any]:
@@ -182,3 +200,5 @@ class NodeTable:
         self.epoch, self.nodes, self.transition = data["epoch"], data["nodes"], data["transition"]
         self.ring_unit = float(data["ring_unit"])
         self.ring_gen = int(data.get("ring_gen", 0))
+        self.ring_history.clear()
+        self._record_ring()  # the rings before the snapshot are not in it

@@ -34,8 +34,8 @@ from typing import Any
 from gcache.errors import GCacheError
 from gcache.meta.master_client import AuthFailed, MasterClient
 from gcache.meta.membership import Membership
-from gcache.meta.ring import HashRing
-from gcache.server.handover import PutFn, hand_over, held_unowned
+from gcache.meta.ring import HashRing, RingParams
+from gcache.server.handover import PutFn, hand_over, held_moved, held_unowned
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
 from gcache.server.vouch import PeerAsk, announce_epoch
@@ -91,6 +91,7 @@ class Agent:
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
         self.dropped_unowned = 0  # copies of keys the previous ring did not give this node (held_unowned)
         self.dropped_missed = 0  # keys dropped because this node missed a change of the ring
+        self.rings_missed = 0  # changes of the ring this node did not see one by one
         self.round_timeout_s = min(0.5, heartbeat_s)
         self._probe_lock = threading.Lock()  # guards _last_round
         self._probe_round = threading.Lock()  # one master round at a time for peers' probes
@@ -101,7 +102,7 @@ class Agent:
         rejoin; copies of keys taken back), writes that waited for this node."""
         return {"handovers": self.handovers, "keys_handed_over": self.keys_handed_over,
                 "dropped_on_rejoin": self.dropped_keys, "dropped_unowned": self.dropped_unowned,
-                "dropped_missed_ring": self.dropped_missed,
+                "dropped_missed_ring": self.dropped_missed, "rings_missed": self.rings_missed,
                 "write_waits": self.write_waits}
 
     # -- what the data plane asks -----------------------------------------------------------
@@ -380,8 +381,13 @@ class Agent:
         if membership.epoch < self.routing[0]:
             return
         taken = self._taken_over(before, ring)
-        if before is not None and gen >= 0 and membership.ring_gen > gen + 1:
-            self._drop_missed(membership.ring_gen - gen - 1)
+        if before is not None and ring is not None and gen >= 0 and membership.ring_gen > gen + 1:
+            self.rings_missed += membership.ring_gen - gen - 1
+            missed = self._missed_rings(gen, membership.ring_gen)
+            if missed is None:
+                self._drop_missed(membership.ring_gen - gen - 1)
+            else:
+                self._drop_moved([before, *missed, ring])
         else:
             self._drop_unowned(before, ring)
         with self._lock:
@@ -416,11 +422,44 @@ class Agent:
             log.warning("dropped %d copies of keys the previous ring did not give this node (taken back, or not "
                         "handed over yet): their owner meanwhile may have acknowledged newer writes", dropped)
 
+    def _missed_rings(self, gen: int, new_gen: int) -> list[HashRing] | None:
+        """The rings of generations ``gen + 1`` to ``new_gen - 1`` (the masters keep the last
+        few: NodeTable.rings_after); None when they cannot be had."""
+        if self.masters is None:  # an agent without masters (in-process tests)
+            return None
+        try:
+            got = self.masters.call("Rings", {"after": gen}, timeout_s=2.0).get("rings")
+        except GCacheError as exc:
+            log.warning("cannot ask the masters for the rings this node missed: %s", exc)
+            return None
+        if not isinstance(got, list):
+            return None
+        wanted = [r for r in got if gen < int(r["gen"]) < new_gen]
+        if [int(r["gen"]) for r in wanted] != list(range(gen + 1, new_gen)):
+            return None
+        try:
+            return [HashRing({n: float(w) for n, w in r["owners"].items()}, RingParams.from_wire(r["ring"]))
+                    for r in wanted]
+        except (GCacheError, KeyError, TypeError, ValueError) as exc:
+            log.warning("cannot rebuild the rings this node missed: %s", exc)
+            return None
+
+    def _drop_moved(self, rings: list[HashRing]) -> None:
+        """This node missed the changes between ``rings[0]`` and ``rings[-1]``, and has their
+        rings: drop what moved meanwhile (gcache.server.handover.held_moved)."""
+        keys = held_moved(self.store, rings, self.node_id)
+        dropped = 0
+        for i in range(0, len(keys), 256):
+            dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
+        self.dropped_missed += dropped
+        log.warning("missed %d change(s) of the ring: dropped the %d keys another node owned meanwhile",
+                    len(rings) - 2, dropped)
+
     def _drop_missed(self, missed: int) -> None:
-        """This node missed ``missed`` changes of the ring (it was stopped or cut off, or two
-        came at once): it cannot tell which of its keys another node owned meanwhile and took
-        writes for, so it drops everything (its touch log stays: it still vouches for what
-        clients wrote here)."""
+        """This node missed ``missed`` changes of the ring and cannot have their rings (the
+        masters keep the last few): it cannot tell which of its keys another node owned
+        meanwhile and took writes for, so it drops everything (its touch log stays: it still
+        vouches for what clients wrote here)."""
         n = self.store.drop_all()
         self.dropped_missed += n
         log.warning("missed %d change(s) of the ring: dropped all %d keys held (another node may have owned them "

@@ -78,25 +78,41 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
 def held_unowned(store: Store, before: HashRing | None, ring: HashRing | None,
                  node_id: str) -> list[tuple[str, bytes]]:
     """At a change of the ring from ``before`` to ``ring``: the keys ``store`` holds that
-    ``before`` gave another node and that changed owner in this change. Some ``ring`` gives back
-    to this node (a joiner failed or left before the handover to it finished); the others are
-    copies of keys lost in an earlier change, not handed over yet, whose owner moves on now.
-    Their owner under ``before`` may have acknowledged newer writes: served, or pushed to the
-    new owner (whose touch log knows nothing of those writes), a copy could be older than what
-    was acknowledged. (One whose owner stays is still pushed to it: that node's touch log knows
-    its own writes.) Empty when either ring is missing or they are the same."""
-    if before is None or ring is None or ring.same_as(before):
+    ``before`` gave another node and that change owner now. Some ``ring`` gives back to this
+    node (a joiner failed or left before the handover to it finished); the others are copies of
+    keys lost in an earlier change, not handed over yet, whose owner moves on now. Their owner
+    under ``before`` may have acknowledged newer writes: served, or pushed to the new owner
+    (whose touch log knows nothing of those writes), a copy could be older than what was
+    acknowledged. (One whose owner stays is still pushed to it: that node's touch log knows its
+    own writes.) Empty when either ring is missing or they are the same."""
+    if before is None or ring is None:
         return []
+    return held_moved(store, [before, ring], node_id)
+
+
+def held_moved(store: Store, rings: Sequence[HashRing], node_id: str) -> list[tuple[str, bytes]]:
+    """held_unowned over several changes of the ring at once, ``rings[0]`` (the one this node
+    routed by) to ``rings[-1]`` (the one it is about to route by), for a node that missed the
+    ones in between: a key is dropped if its owner changed anywhere between ``rings[0]`` and
+    ``rings[-2]`` (another node owned it meanwhile and may have taken writes), or if the ring
+    before last gave it another node and the last one moves it on. Kept: keys this node owned
+    throughout (handed over if the last ring takes them), and copies not handed over yet whose
+    owner never changed."""
+    if len(rings) < 2 or all(r.same_as(rings[0]) for r in rings[1:]):
+        return []
+    ids = sorted({n for r in rings for n in r.node_ids})
+    me = ids.index(node_id) if node_id in ids else -1
+    as_ids = [np.array([ids.index(n) for n in r.node_ids], np.intp) for r in rings]  # ring index -> id index
     by_ns: dict[str, list[bytes]] = defaultdict(list)
     for ns, key in store.keys_hottest_first():
         by_ns[ns].append(key)
-    me = before.node_ids.index(node_id) if node_id in before.node_ids else -1
-    # each node of ``before`` as an index into ``ring``'s nodes (-1: not in it)
-    now_index = np.array([ring.node_ids.index(n) if n in ring.node_ids else -1 for n in before.node_ids], np.intp)
     out = []
     for ns, keys in by_ns.items():
-        hashes = key_hashes(ns, keys)  # once for both rings
-        was = before.owner_indices(hashes)
-        moved = (was != me) & (now_index[was] != ring.owner_indices(hashes))
-        out += [(ns, keys[i]) for i in np.flatnonzero(moved).tolist()]
+        hashes = key_hashes(ns, keys)  # once for all rings
+        owners = [m[r.owner_indices(hashes)] for r, m in zip(rings, as_ids)]
+        changed = np.zeros(len(keys), dtype=bool)
+        for o in owners[1:-1]:
+            changed |= o != owners[0]
+        drop = changed | ((owners[-2] != me) & (owners[-1] != owners[-2]))
+        out += [(ns, keys[i]) for i in np.flatnonzero(drop).tolist()]
     return out
