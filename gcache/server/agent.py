@@ -73,6 +73,7 @@ class Agent:
         self.write_waits = 0  # writes that waited for this node to catch up or for a takeover
         self._ring_wanted: Membership | None = None  # newest membership whose ring is not built yet
         self._install_lock = threading.Lock()  # one ring change at a time (_install_ring)
+        self._fetching = False  # a catch-up fetch of the membership is under way (note_epoch)
         # after its lease lapsed, the node serves again only once it routes by this epoch: the
         # cluster went on without it (a node that took over its keys did not wait for it)
         self._catch_up_to = -1
@@ -148,10 +149,32 @@ class Agent:
         return True
 
     def note_epoch(self, epoch: int) -> None:
-        """A client saw a newer epoch than ours: refresh soon."""
+        """A client saw a newer epoch than ours: refresh now. The heartbeat loop is woken, and
+        the membership is also fetched apart from it (from any master: followers answer it), so
+        that a heartbeat round busy elsewhere (asking the peers while the masters elect a leader)
+        does not keep the writes of clients ahead waiting (Agent.writable)."""
         if epoch > self.epoch:
             with self._changed:
                 self._changed.notify_all()
+            with self._lock:
+                if self._fetching or self.masters is None:
+                    return
+                self._fetching = True
+            threading.Thread(target=self._fetch_membership, name="gcache-catch-up", daemon=True).start()
+
+    def _fetch_membership(self) -> None:
+        try:
+            m = self.masters.membership()
+            me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
+            # only a membership that lists this incarnation live: the heartbeat loop handles the rest
+            if (int(m["epoch"]) > self.epoch and self._registered.is_set() and me is not None
+                    and me["inc"] == self.inc and me["state"] != "down"):
+                self._apply_membership(m)
+        except GCacheError as exc:
+            log.debug("catch-up membership fetch failed: %s", exc)
+        finally:
+            with self._lock:
+                self._fetching = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> Agent:
@@ -299,9 +322,11 @@ class Agent:
                             m["epoch"])
                 self._register()
                 return
-            if lapsed and self._registered.is_set():
-                self._catch_up_to = int(m["epoch"])  # fenced until its ring is built (_install_ring)
             self._apply_membership(m)
+        if lapsed and self._registered.is_set():
+            # fenced until it routes by the newest membership it has (_install_ring), fetched in
+            # this round or by a catch-up fetch (note_epoch)
+            self._catch_up_to = max(self._catch_up_to, self.epoch)
         self._last_tick = sent_at
         self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
 
