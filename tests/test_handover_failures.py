@@ -205,3 +205,43 @@ def test_a_node_declared_down_that_rejoins_at_once_costs_the_others_nothing(tmp_
     finally:
         d2.proc.send_signal(signal.SIGCONT)
         cl.stop()
+
+
+def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(tmp_path):
+    """A joiner is stopped, a node is drained (its pushes to the joiner wait in the joiner's
+    socket), the joiner is declared down, clients write newer values, the joiner is continued
+    and registers again. Before (a probe): the queued pushes landed after the rejoin (34-38
+    stale keys), and the drained node left while the masters still waited for its report for
+    the newer transition (draining forever)."""
+    cl = LocalCluster(nodes=4, mem="64MiB", masters=1, root=str(tmp_path / "c")).start()
+    joiner = None
+    try:
+        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
+        states = lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}  # noqa: E731
+        with Client(cl.master_url, token=cl.token, timeout_s=3.0, local=LocalPath.OFF,
+                    on_node_error=OnNodeError.MISS) as c:
+            keys = [b"key-%d" % i for i in range(8000)]
+            for i in range(0, len(keys), 500):
+                c.put(keys[i:i + 500], [b"V1:" + k for k in keys[i:i + 500]])
+            joiner = cl.add_node()
+            assert poll(lambda: mc.membership()["transition"] is None, 20)
+            drained = cl.daemons[1].node_id
+            joiner.proc.send_signal(signal.SIGSTOP)
+            mc.call("Drain", {"node": drained}, timeout_s=5)
+            assert poll(lambda: states().get(joiner.node_id) == "down", 15)
+            acked = set()
+            for i in range(0, len(keys), 500):
+                ks = keys[i:i + 500]
+                acked |= {k for k, s in zip(ks, c.put(ks, [b"V2:" + k for k in ks])) if s.name == "OK"}
+            assert len(acked) > len(keys) // 2
+            joiner.proc.send_signal(signal.SIGCONT)
+            assert poll(lambda: states().get(joiner.node_id) == "up", 15)
+            assert poll(lambda: serving(c, joiner.node_id), 15)
+            stale = [k for k, g in zip(keys, c.get(keys)) if g is not None and k in acked and bytes(g) != b"V2:" + k]
+            assert not stale, f"{len(stale)} keys served an older value than acknowledged"
+            assert poll(lambda: drained not in states() and mc.membership()["transition"] is None, 20), \
+                f"the drain did not complete: {states()}, transition {mc.membership()['transition']}"
+    finally:
+        if joiner is not None:
+            joiner.proc.send_signal(signal.SIGCONT)
+        cl.stop()

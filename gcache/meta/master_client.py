@@ -160,6 +160,24 @@ class MasterClient:
     def membership(self) -> dict[str, Any]:
         return self.call("GetMembership", {})
 
+    def membership_at_least(self, epoch: int, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The membership from a master that has applied ``epoch`` (a master whose Raft core
+        lags, or is stopped, still answers from what it last applied); the preferred master
+        first, then the others; None if none has it."""
+        n = len(self.addresses)
+        for i in range(n):
+            address = self.addresses[(self._preferred + i) % n]
+            try:
+                m: dict[str, Any] = self._method(address, "GetMembership")(
+                    {}, timeout=timeout_s or self.timeout_s, metadata=self._md())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthFailed(f"master {address} refused the cluster token: {exc.details()}") from None
+                continue
+            if int(m["epoch"]) >= epoch:
+                return m
+        return None
+
     def close(self) -> None:
         for fut in self._ready.values():
             fut.cancel()

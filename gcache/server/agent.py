@@ -67,6 +67,7 @@ class Agent:
         # tuple; it trails ``epoch`` while a ring is being built.
         self.routing: tuple[int, HashRing | None] = (-1, None)
         self.routing_gen = -1  # the masters' ring generation of that ring (NodeTable.ring_gen)
+        self.ring_since = -1  # the epoch from which this node routes by that ring (pushed copies)
         # (ring routed by before a change, set once the nodes that lost keys in it route by the
         # new one): writes of keys this node took over wait for it (``writable``)
         self._gates: list[tuple[HashRing | None, threading.Event]] = []
@@ -222,9 +223,14 @@ class Agent:
                        f"{self.store.recovered_ring_gen} -> {out['membership'].get('ring_gen')})")
         if not rejoin and out.get("was") in OWNING:
             self.touchlog.distrust()  # clients wrote here before the restart: pushes may be older
+        membership = out["membership"]
+        if int(membership["epoch"]) < int(out["epoch"]):  # the answering master's core lags
+            membership = self.masters.membership_at_least(int(out["epoch"]), timeout_s=2.0)
+            if membership is None:
+                raise GCacheError(f"no master answers the membership of epoch {out['epoch']} yet")
         self.inc = int(out["inc"])
-        self._apply_membership(out["membership"], build_now=True)  # fenced until registered anyway
-        self._await_previous_owners(out["membership"])
+        self._apply_membership(membership, build_now=True)  # fenced until registered anyway
+        self._await_previous_owners(membership)
         self._last_tick = sent_at
         self.mode = Mode.SERVING
         self._registered.set()
@@ -315,7 +321,14 @@ class Agent:
             self._register()
             return
         if int(lead["epoch"]) > self.epoch or lead.get("handover_pending"):
-            m = self.masters.membership()
+            # the membership the leader's epoch says exists: a master whose core lags (or is
+            # stopped) answers an older one, and renewing the lease on it would let this node
+            # serve by a ring the others have moved on from
+            m = self.masters.membership_at_least(int(lead["epoch"]), timeout_s=self.round_timeout_s)
+            if m is None:
+                log.warning("no master answers the membership of epoch %s yet; not renewing the lease",
+                            lead["epoch"])
+                return
             me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
             if me is None or me["inc"] != self.inc or me["state"] == "down":
                 log.warning("membership epoch %d no longer lists this incarnation as live; registering again",
@@ -420,6 +433,8 @@ class Agent:
             if losing:
                 confirmed = threading.Event()
                 self._gates = [*self._gates, (before, confirmed)]
+            if before is None or ring is None or not ring.same_as(before):
+                self.ring_since = membership.epoch
             self.routing = (membership.epoch, ring)
             self.routing_gen = membership.ring_gen
         if membership.ring_gen != gen:
@@ -552,16 +567,21 @@ class Agent:
             epoch = int(t["epoch"])
             try:
                 moved = self._hand_over()
-                self.masters.call("HandoverDone", {"node": self.node_id, "epoch": epoch}, timeout_s=5.0)
+                reply = self.masters.call("HandoverDone", {"node": self.node_id, "epoch": epoch}, timeout_s=5.0)
                 done_epoch = epoch
                 self.handovers += 1
                 log.info("handover for epoch %d done: %d keys moved", epoch, moved)
                 me = next((n for n in self.membership.nodes if n.node_id == self.node_id), None) \
                     if self.membership else None
                 if me is not None and me.state.value == "draining":
-                    self.left = True
-                    log.info("drained: every key handed over; this node has left the cluster")
-                    return
+                    # gone only once the masters removed it: a report for a transition that a
+                    # newer one superseded is ignored, and this node hands over again for that one
+                    m = self.masters.membership_at_least(int(reply.get("epoch", epoch)), timeout_s=5.0)
+                    if m is not None and all(r["id"] != self.node_id for r in m["nodes"]):
+                        self.left = True
+                        log.info("drained: every key handed over; this node has left the cluster")
+                        return
+                    log.info("drain report for epoch %d not taken (a newer transition); handing over again", epoch)
             except GCacheError as exc:
                 log.warning("handover for epoch %d failed (%s); will retry", epoch, exc)
 

@@ -519,3 +519,17 @@ def test_a_node_that_missed_a_join_and_a_drain_drops_only_what_the_joiner_owned(
         assert node.agent.dropped_missed == len(lent)
     finally:
         node.close()
+
+
+def test_a_pushed_copy_sent_by_a_ring_this_node_has_moved_on_from_is_refused(node):
+    """A previous owner's push queued while this node was stopped (or before the ring changed
+    again) must not land: other nodes may have owned the key meanwhile and taken writes."""
+    c = node.connect()
+    push = {"ns": NS, "keys": [node.kept], "sizes": [3], "ho": 1}
+    assert call(c, Op.PUT, {**push, "ep": node.e1}, b"one")["st"] == [Status.OK]  # its own ring: taken
+    node.learn_epoch()
+    node.build_ring()
+    assert node.agent.ring_since == node.e2
+    with pytest.raises(ServerError, match="predate"):
+        call(c, Op.PUT, {**push, "ep": node.e1}, b"two")
+    assert read(node.store, (NS, node.kept)) == b"one"
