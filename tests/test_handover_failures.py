@@ -217,7 +217,7 @@ def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(
     joiner = None
     try:
         mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        states = lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}  # noqa: E731
+        states = lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}
         with Client(cl.master_url, token=cl.token, timeout_s=3.0, local=LocalPath.OFF,
                     on_node_error=OnNodeError.MISS) as c:
             keys = [b"key-%d" % i for i in range(8000)]
