@@ -8,6 +8,7 @@ their copies; a client writes newer (small) values of the keys that moved to n2;
 old copies: 12 of 12 stale in both modes before the fix. Afterwards a read is a miss or the
 newer value."""
 
+import contextlib
 import signal
 
 import pytest
@@ -19,48 +20,59 @@ from gcache.meta.master_client import MasterClient
 from tests.conftest import poll
 
 
-@pytest.mark.parametrize("leaves", ["killed", "drained"])
-def test_a_refused_push_leaves_no_copy_to_serve_when_the_new_owner_leaves(tmp_path, leaves):
-    cl = LocalCluster(nodes=2, mem="96MiB", masters=1, root=str(tmp_path / "c")).start()
+@contextlib.contextmanager
+def cluster(tmp_path, nodes=2, mem="64MiB", timeout_s=5.0, **kw):
+    """A real master and ``nodes`` daemons: (cluster, master client, data client). Every
+    daemon is continued (SIGCONT) before the cluster stops."""
+    cl = LocalCluster(nodes=nodes, mem=mem, masters=1, root=str(tmp_path / "c"), **kw).start()
     try:
         mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
+        with Client(cl.master_url, token=cl.token, timeout_s=timeout_s, local=LocalPath.OFF,
                     on_node_error=OnNodeError.MISS) as c:
-            keys = [b"key-%d" % i for i in range(24)]
-            assert all(s.name == "OK" for s in c.put(keys, [b"OLD" * 500_000] * len(keys)))
-            cl.extra_args = ["--max-value", "1MiB"]
-            joiner = cl.add_node().node_id
-
-            def settled():  # n2 is up, every handover reported
-                m = mc.membership()
-                return m["transition"] is None and any(r["id"] == joiner and r["state"] == "up" for r in m["nodes"])
-
-            assert poll(settled, 30), "the join did not settle"
-            assert poll(lambda: c.refresh_membership() or joiner in c.owners(keys), 10)
-            moved = [k for k, o in zip(keys, c.owners(keys)) if o == joiner]
-            assert moved, "no key moved to the joiner"
-            # every push of a moved key was refused (too large for n2): n2 has none of them
-            assert c.get(moved) == [None] * len(moved)
-            assert all(s.name == "OK" for s in c.put(moved, [b"NEW" + k for k in moved]))
-            if leaves == "killed":
-                cl.kill(2, signal.SIGKILL)
-            else:
-                mc.call("Drain", {"node": joiner}, timeout_s=5)
-
-            def gone():
-                c.refresh_membership()
-                return joiner not in c.owners(keys) and joiner not in {
-                    r["id"] for r in mc.membership()["nodes"] if r["state"] in ("up", "suspect", "draining")}
-
-            assert poll(gone, 30), f"{joiner} did not leave the ring"
-            got = c.get(moved)
-            stale = [k for k, g in zip(moved, got) if g is not None and bytes(g) != b"NEW" + k]
-            assert not stale, f"{len(stale)} of {len(moved)} keys served an older value than acknowledged"
-            # the keys n2 never owned are still there
-            kept = [k for k in keys if k not in moved]
-            assert sum(g is not None for g in c.get(kept)) >= len(kept) // 2
+            yield cl, mc, c
     finally:
+        for d in cl.daemons:
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGCONT)
         cl.stop()
+
+
+@pytest.mark.parametrize("leaves", ["killed", "drained"])
+def test_a_refused_push_leaves_no_copy_to_serve_when_the_new_owner_leaves(tmp_path, leaves):
+    with cluster(tmp_path, mem="96MiB") as (cl, mc, c):
+        keys = [b"key-%d" % i for i in range(24)]
+        assert all(s.name == "OK" for s in c.put(keys, [b"OLD" * 500_000] * len(keys)))
+        cl.extra_args = ["--max-value", "1MiB"]
+        joiner = cl.add_node().node_id
+
+        def settled():  # n2 is up, every handover reported
+            m = mc.membership()
+            return m["transition"] is None and any(r["id"] == joiner and r["state"] == "up" for r in m["nodes"])
+
+        assert poll(settled, 30), "the join did not settle"
+        assert poll(lambda: c.refresh_membership() or joiner in c.owners(keys), 10)
+        moved = [k for k, o in zip(keys, c.owners(keys)) if o == joiner]
+        assert moved, "no key moved to the joiner"
+        # every push of a moved key was refused (too large for n2): n2 has none of them
+        assert c.get(moved) == [None] * len(moved)
+        assert all(s.name == "OK" for s in c.put(moved, [b"NEW" + k for k in moved]))
+        if leaves == "killed":
+            cl.kill(2, signal.SIGKILL)
+        else:
+            mc.call("Drain", {"node": joiner}, timeout_s=5)
+
+        def gone():
+            c.refresh_membership()
+            return joiner not in c.owners(keys) and joiner not in {
+                r["id"] for r in mc.membership()["nodes"] if r["state"] in ("up", "suspect", "draining")}
+
+        assert poll(gone, 30), f"{joiner} did not leave the ring"
+        got = c.get(moved)
+        stale = [k for k, g in zip(moved, got) if g is not None and bytes(g) != b"NEW" + k]
+        assert not stale, f"{len(stale)} of {len(moved)} keys served an older value than acknowledged"
+        # the keys n2 never owned are still there
+        kept = [k for k in keys if k not in moved]
+        assert sum(g is not None for g in c.get(kept)) >= len(kept) // 2
 
 
 def moved_and_rewritten(c, keys, before, joiner, owner="node0"):
@@ -102,54 +114,40 @@ def test_a_node_stopped_while_its_keys_moved_away_and_back_serves_none_of_its_ol
     """node0 is stopped (past fence-after, not declared down); node2 joins, takes writes and
     deletes of keys it took from node0, and is drained; node0 resumes, having missed two changes
     of the ring. Before: it served its old copies of all of them (474 of 474 in the probe)."""
-    cl = LocalCluster(nodes=2, mem="64MiB", masters=1, root=str(tmp_path / "c"),
-                      master_args=["--suspect-after", "30", "--down-after", "40"]).start()
-    a = cl.daemons[0]
-    try:
-        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
-                    on_node_error=OnNodeError.MISS) as c:
-            keys = [b"key-%d" % i for i in range(1000)]
-            assert all(s.name == "OK" for s in c.put(keys, [b"V1:" + k for k in keys]))
-            before = dict(zip(keys, c.owners(keys)))
-            a.proc.send_signal(signal.SIGSTOP)
-            joiner = cl.add_node().node_id
-            latest = moved_and_rewritten(c, keys, before, joiner)
-            drain_and_wait(mc, joiner)
-            a.proc.send_signal(signal.SIGCONT)
-            assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
-            assert not stale_reads(c, latest)
-            assert c.stats()["node0"]["dropped_missed_ring"] > 0  # it knew it missed changes of the ring
-    finally:
+    with cluster(tmp_path, master_args=["--suspect-after", "30", "--down-after", "40"]) as (cl, mc, c):
+        a = cl.daemons[0]
+        keys = [b"key-%d" % i for i in range(1000)]
+        assert all(s.name == "OK" for s in c.put(keys, [b"V1:" + k for k in keys]))
+        before = dict(zip(keys, c.owners(keys)))
+        a.proc.send_signal(signal.SIGSTOP)
+        joiner = cl.add_node().node_id
+        latest = moved_and_rewritten(c, keys, before, joiner)
+        drain_and_wait(mc, joiner)
         a.proc.send_signal(signal.SIGCONT)
-        cl.stop()
+        assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+        assert not stale_reads(c, latest)
+        assert c.stats()["node0"]["dropped_missed_ring"] > 0  # it knew it missed changes of the ring
 
 
 def test_a_node_restarted_from_its_disk_after_its_keys_moved_away_and_back_keeps_none_of_them(tmp_path):
     """node0 is killed; node2 joins, takes writes and deletes of node0's keys and is drained;
     node0 restarts from its disk before it is declared down (the masters say it was still up).
     Before: it kept and served what it recovered (38 of 38 stale in the probe)."""
-    cl = LocalCluster(nodes=2, mem="4MiB", disk="64MiB", masters=1, root=str(tmp_path / "c"),
-                      master_args=["--suspect-after", "10", "--down-after", "20"]).start()
-    try:
-        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
-                    on_node_error=OnNodeError.MISS) as c:
-            keys = [b"k%d" % i for i in range(300)]
-            for i in range(0, len(keys), 20):
-                c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
-            assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
-            before = dict(zip(keys, c.owners(keys)))
-            cl.kill(0)
-            joiner = cl.add_node().node_id
-            latest = moved_and_rewritten(c, keys, before, joiner)
-            drain_and_wait(mc, joiner)
-            cl.restart(0)
-            assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
-            assert not stale_reads(c, latest)
-            assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
-    finally:
-        cl.stop()
+    with cluster(tmp_path, mem="4MiB", disk="64MiB",
+                 master_args=["--suspect-after", "10", "--down-after", "20"]) as (cl, mc, c):
+        keys = [b"k%d" % i for i in range(300)]
+        for i in range(0, len(keys), 20):
+            c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
+        assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+        before = dict(zip(keys, c.owners(keys)))
+        cl.kill(0)
+        joiner = cl.add_node().node_id
+        latest = moved_and_rewritten(c, keys, before, joiner)
+        drain_and_wait(mc, joiner)
+        cl.restart(0)
+        assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+        assert not stale_reads(c, latest)
+        assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
 
 
 def test_two_nodes_joining_at_once_make_no_node_drop_its_cache(tmp_path):
@@ -158,53 +156,40 @@ def test_two_nodes_joining_at_once_make_no_node_drop_its_cache(tmp_path):
     once the previous owners route by its ring); what the second join costs is the copies the
     first handover had not pushed yet that the second joiner takes (at most ~1/12 of the keys
     here: a third moved to the first joiner, a quarter of those on to the second)."""
-    cl = LocalCluster(nodes=2, mem="64MiB", masters=1, root=str(tmp_path / "c")).start()
-    try:
-        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
-                    on_node_error=OnNodeError.MISS) as c:
-            keys = [b"key-%d" % i for i in range(3000)]
-            assert all(s.name == "OK" for s in c.put(keys, [b"v" * 256] * len(keys)))
-            cl.add_nodes(2)
-            assert poll(lambda: mc.membership()["transition"] is None and len(mc.membership()["nodes"]) == 4, 30)
-            c.refresh_membership()
-            stats = c.stats()
-            assert sum(s["keys_handed_over"] for s in stats.values()) > 500  # the joiners got keys
-            assert all(s["dropped_missed_ring"] == 0 for s in stats.values())
-            hits = sum(g is not None for g in c.get(keys))
-            print(f"\ntwo joins at once: {hits} of {len(keys)} keys kept; dropped unpushed copies "
-                  f"{sum(s['dropped_unowned'] for s in stats.values())}")
-            assert hits >= 0.9 * len(keys)
-    finally:
-        cl.stop()
+    with cluster(tmp_path) as (cl, mc, c):
+        keys = [b"key-%d" % i for i in range(3000)]
+        assert all(s.name == "OK" for s in c.put(keys, [b"v" * 256] * len(keys)))
+        cl.add_nodes(2)
+        assert poll(lambda: mc.membership()["transition"] is None and len(mc.membership()["nodes"]) == 4, 30)
+        c.refresh_membership()
+        stats = c.stats()
+        assert sum(s["keys_handed_over"] for s in stats.values()) > 500  # the joiners got keys
+        assert all(s["dropped_missed_ring"] == 0 for s in stats.values())
+        hits = sum(g is not None for g in c.get(keys))
+        print(f"\ntwo joins at once: {hits} of {len(keys)} keys kept; dropped unpushed copies "
+              f"{sum(s['dropped_unowned'] for s in stats.values())}")
+        assert hits >= 0.9 * len(keys)
 
 
 def test_a_node_declared_down_that_rejoins_at_once_costs_the_others_nothing(tmp_path):
     """node2 is stopped until the masters declare it down, then continued: it registers again
     at once. The others see two changes of the ring in one go; with the ring in between from
     the masters they drop nothing (a probe: before, both wiped their caches)."""
-    cl = LocalCluster(nodes=3, mem="64MiB", masters=1, root=str(tmp_path / "c")).start()
-    d2 = cl.daemons[2]
-    try:
-        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
-        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
-                    on_node_error=OnNodeError.MISS) as c:
-            keys = [b"key-%d" % i for i in range(3000)]
-            assert all(s.name == "OK" for s in c.put(keys, [b"v" * 256] * len(keys)))
-            theirs = [k for k, o in zip(keys, c.owners(keys)) if o != "node2"]
-            d2.proc.send_signal(signal.SIGSTOP)
-            assert poll(lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}["node2"] == "down", 20)
-            d2.proc.send_signal(signal.SIGCONT)
-            assert poll(lambda: any(r["id"] == "node2" and r["state"] == "up" and r["inc"] == 2
-                                    for r in mc.membership()["nodes"]), 20), "node2 did not register again"
-            assert poll(lambda: serving(c, "node2"), 20)
-            stats = c.stats()
-            print(f"\nrings missed: node0 {stats['node0']['rings_missed']}, node1 {stats['node1']['rings_missed']}")
-            assert stats["node0"]["dropped_missed_ring"] == 0 and stats["node1"]["dropped_missed_ring"] == 0
-            assert sum(g is not None for g in c.get(theirs)) == len(theirs)
-    finally:
+    with cluster(tmp_path, nodes=3) as (cl, mc, c):
+        d2 = cl.daemons[2]
+        keys = [b"key-%d" % i for i in range(3000)]
+        assert all(s.name == "OK" for s in c.put(keys, [b"v" * 256] * len(keys)))
+        theirs = [k for k, o in zip(keys, c.owners(keys)) if o != "node2"]
+        d2.proc.send_signal(signal.SIGSTOP)
+        assert poll(lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}["node2"] == "down", 20)
         d2.proc.send_signal(signal.SIGCONT)
-        cl.stop()
+        assert poll(lambda: any(r["id"] == "node2" and r["state"] == "up" and r["inc"] == 2
+                                for r in mc.membership()["nodes"]), 20), "node2 did not register again"
+        assert poll(lambda: serving(c, "node2"), 20)
+        stats = c.stats()
+        print(f"\nrings missed: node0 {stats['node0']['rings_missed']}, node1 {stats['node1']['rings_missed']}")
+        assert stats["node0"]["dropped_missed_ring"] == 0 and stats["node1"]["dropped_missed_ring"] == 0
+        assert sum(g is not None for g in c.get(theirs)) == len(theirs)
 
 
 def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(tmp_path):
@@ -213,35 +198,26 @@ def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(
     and registers again. Before (a probe): the queued pushes landed after the rejoin (34-38
     stale keys), and the drained node left while the masters still waited for its report for
     the newer transition (draining forever)."""
-    cl = LocalCluster(nodes=4, mem="64MiB", masters=1, root=str(tmp_path / "c")).start()
-    joiner = None
-    try:
-        mc = MasterClient(cl.master_url, cl.token, timeout_s=2.0)
+    with cluster(tmp_path, nodes=4, timeout_s=3.0) as (cl, mc, c):
         states = lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}
-        with Client(cl.master_url, token=cl.token, timeout_s=3.0, local=LocalPath.OFF,
-                    on_node_error=OnNodeError.MISS) as c:
-            keys = [b"key-%d" % i for i in range(8000)]
-            for i in range(0, len(keys), 500):
-                c.put(keys[i:i + 500], [b"V1:" + k for k in keys[i:i + 500]])
-            joiner = cl.add_node()
-            assert poll(lambda: mc.membership()["transition"] is None, 20)
-            drained = cl.daemons[1].node_id
-            joiner.proc.send_signal(signal.SIGSTOP)
-            mc.call("Drain", {"node": drained}, timeout_s=5)
-            assert poll(lambda: states().get(joiner.node_id) == "down", 15)
-            acked = set()
-            for i in range(0, len(keys), 500):
-                ks = keys[i:i + 500]
-                acked |= {k for k, s in zip(ks, c.put(ks, [b"V2:" + k for k in ks])) if s.name == "OK"}
-            assert len(acked) > len(keys) // 2
-            joiner.proc.send_signal(signal.SIGCONT)
-            assert poll(lambda: states().get(joiner.node_id) == "up", 15)
-            assert poll(lambda: serving(c, joiner.node_id), 15)
-            stale = [k for k, g in zip(keys, c.get(keys)) if g is not None and k in acked and bytes(g) != b"V2:" + k]
-            assert not stale, f"{len(stale)} keys served an older value than acknowledged"
-            assert poll(lambda: drained not in states() and mc.membership()["transition"] is None, 20), \
-                f"the drain did not complete: {states()}, transition {mc.membership()['transition']}"
-    finally:
-        if joiner is not None:
-            joiner.proc.send_signal(signal.SIGCONT)
-        cl.stop()
+        keys = [b"key-%d" % i for i in range(8000)]
+        for i in range(0, len(keys), 500):
+            c.put(keys[i:i + 500], [b"V1:" + k for k in keys[i:i + 500]])
+        joiner = cl.add_node()
+        assert poll(lambda: mc.membership()["transition"] is None, 20)
+        drained = cl.daemons[1].node_id
+        joiner.proc.send_signal(signal.SIGSTOP)
+        mc.call("Drain", {"node": drained}, timeout_s=5)
+        assert poll(lambda: states().get(joiner.node_id) == "down", 15)
+        acked = set()
+        for i in range(0, len(keys), 500):
+            ks = keys[i:i + 500]
+            acked |= {k for k, s in zip(ks, c.put(ks, [b"V2:" + k for k in ks])) if s.name == "OK"}
+        assert len(acked) > len(keys) // 2
+        joiner.proc.send_signal(signal.SIGCONT)
+        assert poll(lambda: states().get(joiner.node_id) == "up", 15)
+        assert poll(lambda: serving(c, joiner.node_id), 15)
+        stale = [k for k, g in zip(keys, c.get(keys)) if g is not None and k in acked and bytes(g) != b"V2:" + k]
+        assert not stale, f"{len(stale)} keys served an older value than acknowledged"
+        assert poll(lambda: drained not in states() and mc.membership()["transition"] is None, 20), \
+            f"the drain did not complete: {states()}, transition {mc.membership()['transition']}"
