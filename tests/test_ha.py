@@ -380,7 +380,8 @@ def test_a_pushed_handover_copy_never_undoes_a_clients_write_or_delete(ha):
         conn = open_connection(node.node_id, node.address, 2.0, c.token)
         deadline = time.monotonic() + 5
         keys = [b"new", b"gone", b"fresh"]
-        conn.send(P.Op.PUT, {"ns": "default", "keys": keys, "sizes": [2, 2, 2], "ho": 1},
+        ep = cl.membership.epoch  # a push carries the epoch whose ring it was sent by
+        conn.send(P.Op.PUT, {"ns": "default", "keys": keys, "sizes": [2, 2, 2], "ho": 1, "ep": ep},
                   [memoryview(b"v1"), memoryview(b"v0"), memoryview(b"v1")], deadline, 2.0)
         meta, _ = conn.recv_reply(deadline)
         assert meta["st"] == [Status.OK] * 3  # superseded counts as handed over: the sender forgets it

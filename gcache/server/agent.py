@@ -67,7 +67,10 @@ class Agent:
         # tuple; it trails ``epoch`` while a ring is being built.
         self.routing: tuple[int, HashRing | None] = (-1, None)
         self.routing_gen = -1  # the masters' ring generation of that ring (NodeTable.ring_gen)
-        self.ring_since = -1  # the epoch from which this node routes by that ring (pushed copies)
+        # pushed copies sent by an older epoch than this are refused (Handler): this node
+        # registered, or missed changes of the ring, since (others may have owned those keys and
+        # taken writes its touch log never saw)
+        self.fresh_since = -1
         # (ring routed by before a change, set once the nodes that lost keys in it route by the
         # new one): writes of keys this node took over wait for it (``writable``)
         self._gates: list[tuple[HashRing | None, threading.Event]] = []
@@ -92,7 +95,8 @@ class Agent:
         self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
         self.dropped_keys = 0  # keys dropped on rejoin (held from before a DOWN)
         self.dropped_unowned = 0  # copies of keys the previous ring did not give this node (held_unowned)
-        self.dropped_missed = 0  # keys dropped because this node missed a change of the ring
+        self.dropped_missed = 0  # keys dropped because this node missed changes of the ring it could not rebuild
+        self.dropped_moved = 0  # keys dropped because they moved in changes this node missed (rebuilt)
         self.rings_missed = 0  # changes of the ring this node did not see one by one
         self.round_timeout_s = min(0.5, heartbeat_s)
         self._probe_lock = threading.Lock()  # guards _last_round
@@ -104,7 +108,8 @@ class Agent:
         rejoin; copies of keys taken back), writes that waited for this node."""
         return {"handovers": self.handovers, "keys_handed_over": self.keys_handed_over,
                 "dropped_on_rejoin": self.dropped_keys, "dropped_unowned": self.dropped_unowned,
-                "dropped_missed_ring": self.dropped_missed, "rings_missed": self.rings_missed,
+                "dropped_missed_ring": self.dropped_missed, "dropped_moved": self.dropped_moved,
+                "rings_missed": self.rings_missed,
                 "write_waits": self.write_waits}
 
     # -- what the data plane asks -----------------------------------------------------------
@@ -230,6 +235,8 @@ class Agent:
                 raise GCacheError(f"no master answers the membership of epoch {out['epoch']} yet")
         self.inc = int(out["inc"])
         self._apply_membership(membership, build_now=True)  # fenced until registered anyway
+        with self._lock:  # copies pushed before this incarnation are not welcome (Handler)
+            self.fresh_since = max(self.fresh_since, int(membership["epoch"]))
         self._await_previous_owners(membership)
         self._last_tick = sent_at
         self.mode = Mode.SERVING
@@ -419,13 +426,14 @@ class Agent:
         if membership.epoch < self.routing[0]:
             return
         taken = self._taken_over(before, ring)
-        if before is not None and ring is not None and gen >= 0 and membership.ring_gen > gen + 1:
+        missed = before is not None and ring is not None and gen >= 0 and membership.ring_gen > gen + 1
+        if missed:
             self.rings_missed += membership.ring_gen - gen - 1
-            missed = self._missed_rings(gen, membership.ring_gen)
-            if missed is None:
+            between = self._missed_rings(gen, membership.ring_gen)
+            if between is None:
                 self._drop_missed(membership.ring_gen - gen - 1)
             else:
-                self._drop_moved([before, *missed, ring])
+                self._drop_moved([before, *between, ring])  # type: ignore[list-item]
         else:
             self._drop_unowned(before, ring)
         with self._lock:
@@ -433,8 +441,8 @@ class Agent:
             if losing:
                 confirmed = threading.Event()
                 self._gates = [*self._gates, (before, confirmed)]
-            if before is None or ring is None or not ring.same_as(before):
-                self.ring_since = membership.epoch
+            if before is None or missed:
+                self.fresh_since = membership.epoch  # registered, or missed changes of the ring
             self.routing = (membership.epoch, ring)
             self.routing_gen = membership.ring_gen
         if membership.ring_gen != gen:
@@ -491,7 +499,7 @@ class Agent:
         dropped = 0
         for i in range(0, len(keys), 256):
             dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
-        self.dropped_missed += dropped
+        self.dropped_moved += dropped
         log.warning("missed %d change(s) of the ring: dropped the %d keys another node owned meanwhile",
                     len(rings) - 2, dropped)
 

@@ -331,11 +331,12 @@ class Handler:
                 raise Refused(ErrorCode.FENCED, f"node {self.node_id} has not caught up with the newest membership "
                                                 "or is taking over keys from nodes that have not confirmed the "
                                                 "change yet; treat it as unavailable for now")
-            if pushed and (ep is None or ep < agent.ring_since):
-                # sent by a ring this node has moved on from (it rejoined, or the ring changed
-                # again): other nodes may have owned these keys meanwhile and taken writes
-                raise Refused(ErrorCode.FENCED, f"handover copies from epoch {ep} predate the ring node "
-                                                f"{self.node_id} routes by (since epoch {agent.ring_since})")
+            if pushed and (ep is None or ep < agent.fresh_since):
+                # sent before this node registered, or before it caught up with changes of the
+                # ring it missed: other nodes may have owned these keys meanwhile and taken writes
+                raise Refused(ErrorCode.FENCED, f"handover copies from epoch {ep} predate node {self.node_id}'s "
+                                                f"registration or a change of the ring it missed (epoch "
+                                                f"{agent.fresh_since})")
             if self.routed is not None and self.routed[0] > self.routed[1]:  # it was ahead: check again
                 self._owner_check = self._rule_for(self.routed[0])
         return self._keys_status(ns, keys)

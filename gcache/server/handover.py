@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 
 import numpy as np
 
@@ -93,11 +94,12 @@ def held_unowned(store: Store, before: HashRing | None, ring: HashRing | None,
 def held_moved(store: Store, rings: Sequence[HashRing], node_id: str) -> list[tuple[str, bytes]]:
     """held_unowned over several changes of the ring at once, ``rings[0]`` (the one this node
     routed by) to ``rings[-1]`` (the one it is about to route by), for a node that missed the
-    ones in between: a key is dropped if its owner changed anywhere between ``rings[0]`` and
-    ``rings[-2]`` (another node owned it meanwhile and may have taken writes), or if the ring
-    before last gave it another node and the last one moves it on. Kept: keys this node owned
-    throughout (handed over if the last ring takes them), and copies not handed over yet whose
-    owner never changed."""
+    ones in between. Kept: a key whose owner never changed (this node's, or a copy not handed
+    over yet, pushed to that owner), and one this node owned until a single change gave it to
+    another node for good (pushed there: that node's touch log knows every write it took).
+    Dropped: a key whose owner changed twice or more (a node in between may have taken writes
+    the last owner's touch log never saw), and one another node owned when the owner changed
+    (it may have taken writes)."""
     if len(rings) < 2 or all(r.same_as(rings[0]) for r in rings[1:]):
         return []
     ids = sorted({n for r in rings for n in r.node_ids})
@@ -110,9 +112,9 @@ def held_moved(store: Store, rings: Sequence[HashRing], node_id: str) -> list[tu
     for ns, keys in by_ns.items():
         hashes = key_hashes(ns, keys)  # once for all rings
         owners = [m[r.owner_indices(hashes)] for r, m in zip(rings, as_ids)]
-        changed = np.zeros(len(keys), dtype=bool)
-        for o in owners[1:-1]:
-            changed |= o != owners[0]
-        drop = changed | ((owners[-2] != me) & (owners[-1] != owners[-2]))
+        changes = np.zeros(len(keys), dtype=np.intp)
+        for a, b in pairwise(owners):
+            changes += a != b
+        drop = (changes >= 2) | ((changes == 1) & (owners[0] != me))
         out += [(ns, keys[i]) for i in np.flatnonzero(drop).tolist()]
     return out
