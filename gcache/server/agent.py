@@ -433,7 +433,8 @@ class Agent:
             if between is None:
                 self._drop_missed(membership.ring_gen - gen - 1)
             else:
-                self._drop_moved([before, *between, ring])  # type: ignore[list-item]
+                assert before is not None and ring is not None  # (missed says so)
+                self._drop_moved([before, *between, ring])
         else:
             self._drop_unowned(before, ring)
         with self._lock:
