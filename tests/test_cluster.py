@@ -9,7 +9,7 @@ import pytest
 
 from gcache import CallTimeout, Client, ConnectionFailed, OnNodeError, Status
 from gcache.errors import GCacheError
-from tests.conftest import sigstop
+from tests.conftest import poll, sigstop
 
 MiB = 1 << 20
 
@@ -70,10 +70,7 @@ def test_memory_pressure_demotes_and_restart_serves_disk_keys(make_cluster):
         def demote_queue_empty():
             s = client.stats()[c.addresses[0]]
             return s["demote_queue_bytes"] == 0 and s["disk_keys"] > 0
-        deadline = time.monotonic() + 10
-        while not demote_queue_empty():
-            assert time.monotonic() < deadline, "demotions did not finish"
-            time.sleep(0.02)
+        assert poll(demote_queue_empty, 10), "demotions did not finish"
         on_disk = client.stats()[c.addresses[0]]["disk_keys"]
         c.kill(0, signal.SIGKILL)
         c.restart(0)
@@ -100,10 +97,7 @@ def test_ttl_and_delete_through_the_client(cluster):
     with Client(cluster.addresses) as client:
         client.put(["t1", "t2"], [b"a", b"b"], ttl_s=0.1)
         client.put_one("keep", b"c")
-        deadline = time.monotonic() + 5
-        while any(client.exists(["t1", "t2"])):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        assert poll(lambda: not any(client.exists(["t1", "t2"])), 5), "the TTL'd keys did not expire"
         assert client.delete(["keep", "never"]) == [True, False]
         assert client.get_one("keep") is None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -77,8 +78,10 @@ class MasterClient:
         make = ch.unary_stream if streaming else ch.unary_unary
         return make(path, request_serializer=rpc.pack, response_deserializer=rpc.unpack)
 
-    def call(self, name: str, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """Call one master, trying the others when it is unreachable."""
+    def call(self, name: str, request: dict[str, Any], timeout_s: float | None = None,
+             accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+        """Call one master, trying the others when it is unreachable (or, with ``accept``, when
+        its answer is not acceptable)."""
         timeout = timeout_s or self.timeout_s
         errors = []
         n = len(self.addresses)
@@ -87,6 +90,9 @@ class MasterClient:
             address = self.addresses[idx]
             try:
                 out: dict[str, Any] = self._method(address, name)(request, timeout=timeout, metadata=self._md())
+                if accept is not None and not accept(out):
+                    errors.append(f"{address}: answer not accepted")
+                    continue
                 self._preferred = idx
                 return out
             except grpc.RpcError as exc:
@@ -164,19 +170,10 @@ class MasterClient:
         """The membership from a master that has applied ``epoch`` (a master whose Raft core
         lags, or is stopped, still answers from what it last applied); the preferred master
         first, then the others; None if none has it."""
-        n = len(self.addresses)
-        for i in range(n):
-            address = self.addresses[(self._preferred + i) % n]
-            try:
-                m: dict[str, Any] = self._method(address, "GetMembership")(
-                    {}, timeout=timeout_s or self.timeout_s, metadata=self._md())
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise AuthFailed(f"master {address} refused the cluster token: {exc.details()}") from None
-                continue
-            if int(m["epoch"]) >= epoch:
-                return m
-        return None
+        try:
+            return self.call("GetMembership", {}, timeout_s, accept=lambda m: int(m["epoch"]) >= epoch)
+        except MasterUnavailable:
+            return None
 
     def close(self) -> None:
         for fut in self._ready.values():

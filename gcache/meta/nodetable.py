@@ -148,12 +148,11 @@ class NodeTable:
     def _changed(self, before: dict[str, dict[str, Any]], must_hand_over: set[str]) -> None:
         self.epoch += 1
         unit_before = self.ring_unit
-        owners = self._owners()
-        self.ring_unit = RingParams.fit([r["weight"] for r in owners.values()], unit_before).unit
-        if self.ring_unit != unit_before or {n: r["weight"] for n, r in before.items()} != {
-                n: r["weight"] for n, r in owners.items()}:
+        weights = {n: r["weight"] for n, r in self._owners().items()}
+        self.ring_unit = RingParams.fit(list(weights.values()), unit_before).unit
+        if self.ring_unit != unit_before or {n: r["weight"] for n, r in before.items()} != weights:
             self.ring_gen += 1
-            self._record_ring()
+            self._record_ring(weights)
         live = {n for n, r in self.nodes.items() if r["state"] in OWNING or r["state"] == "draining"}
         if must_hand_over:
             pending = set(must_hand_over)
@@ -166,9 +165,10 @@ class NodeTable:
         if self.transition is not None and not self.transition["pending"]:
             self.transition = None
 
-    def _record_ring(self) -> None:
+    def _record_ring(self, weights: dict[str, float]) -> None:
+        """Remember the ring of the current generation: its owners' weights and parameters."""
         self.ring_history.append({"gen": self.ring_gen, "ring": RingParams(self.ring_unit).to_wire(),
-                                  "owners": {n: r["weight"] for n, r in self._owners().items()}})
+                                  "owners": weights})
 
     def rings_after(self, gen: int) -> list[dict[str, Any]] | None:
         """The rings of generations ``gen + 1`` to the current one (``{"gen", "ring", "owners"}``),
@@ -201,4 +201,4 @@ class NodeTable:
         self.ring_unit = float(data["ring_unit"])
         self.ring_gen = int(data.get("ring_gen", 0))
         self.ring_history.clear()
-        self._record_ring()  # the rings before the snapshot are not in it
+        self._record_ring({n: r["weight"] for n, r in self._owners().items()})  # older ones are not in it

@@ -18,10 +18,12 @@
   to the new owner, hottest first, deletes it locally (stored there or not: a copy kept could
   be served again once the ring gives the key back), and reports ``HandoverDone``. Until then
   clients fall back to it on a miss. At the next change of the ring, before it routes by the
-  new one, a node drops every copy of a key the ring before did not give it (taken back, or
-  not handed over yet: gcache.server.handover.held_unowned); one that missed a change (the
-  masters' ring generation jumped: it was stopped or cut off) drops everything, and a restarted one keeps what it recovered from disk only if the ring
-  generation is the one it recorded there.
+  new one, a node drops every copy of a key the ring before gave another node and whose owner
+  changes now (taken back, or not handed over yet: gcache.server.handover.held_unowned). One
+  that missed changes (the masters' ring generation jumped: it was stopped or cut off) asks the
+  masters for the rings in between and drops what moved meanwhile (held_moved), or everything
+  without them; a restarted one keeps what it recovered from disk only if the ring generation
+  is the one it recorded there.
 """
 
 from __future__ import annotations
@@ -462,14 +464,16 @@ class Agent:
         give it (gcache.server.handover.held_unowned). No new copy of a key this node gains can
         land meanwhile: a write of it routed by ``before`` is not this node's, one routed by
         ``ring`` waits until this node routes by it (``writable``)."""
-        keys = held_unowned(self.store, before, ring, self.node_id)
-        dropped = 0
-        for i in range(0, len(keys), 256):  # the store lock is held per slice, not for them all
-            dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
+        dropped = self._delete(held_unowned(self.store, before, ring, self.node_id))
         if dropped:
             self.dropped_unowned += dropped
             log.warning("dropped %d copies of keys the previous ring did not give this node (taken back, or not "
                         "handed over yet): their owner meanwhile may have acknowledged newer writes", dropped)
+
+    def _delete(self, keys: list[tuple[str, bytes]]) -> int:
+        """Delete ``keys`` (the store lock is held per slice of 256, not for them all); how many
+        were stored."""
+        return sum(sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d) for i in range(0, len(keys), 256))
 
     def _missed_rings(self, gen: int, new_gen: int) -> list[HashRing] | None:
         """The rings of generations ``gen + 1`` to ``new_gen - 1`` (the masters keep the last
@@ -496,10 +500,7 @@ class Agent:
     def _drop_moved(self, rings: list[HashRing]) -> None:
         """This node missed the changes between ``rings[0]`` and ``rings[-1]``, and has their
         rings: drop what moved meanwhile (gcache.server.handover.held_moved)."""
-        keys = held_moved(self.store, rings, self.node_id)
-        dropped = 0
-        for i in range(0, len(keys), 256):
-            dropped += sum(1 for d in self.store.delete_many(keys[i:i + 256]) if d)
+        dropped = self._delete(held_moved(self.store, rings, self.node_id))
         self.dropped_moved += dropped
         log.warning("missed %d change(s) of the ring: dropped the %d keys another node owned meanwhile",
                     len(rings) - 2, dropped)
