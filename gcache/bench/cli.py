@@ -19,6 +19,7 @@ from gcache.bench import (
     control_report,
     gpu_check,
     instructions,
+    request_floor,
     scaling,
     store_ops,
     swa_capacity,
@@ -140,6 +141,9 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
     "instructions": (("CPU instructions per batch on the client and per request in the daemon (callgrind: "
                       "stable on a loaded machine; needs valgrind)"), instructions.add_arguments,
                      "gcache.bench.instructions"),
+    "request-floor": (("the daemon's CPU per request beside a minimal Python server's for the same exchange "
+                       "(what is gcache's own Python, what any Python server pays)"), request_floor.add_arguments,
+                      "gcache.bench.request_floor"),
     "ucx-check": (("UCX (tcp and shared memory) beside plain TCP through gcache.Client, with the memcpy and "
                   "raw TCP ceilings"), ucx_check.add_arguments, "gcache.bench.ucx_check"),
     "gpu-check": (("CUDA tensors through the pinned staging pool beside the device->host copy bandwidth "

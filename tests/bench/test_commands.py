@@ -12,7 +12,7 @@ from gcache.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("throughput", "hitrate", "embedding", "adapter", "scaling", "soak", "swa-capacity", "store-ops",
-            "instructions", "ucx-check", "gpu-check", "control-plane")
+            "instructions", "request-floor", "ucx-check", "gpu-check", "control-plane")
 
 
 def bench_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,24 @@ def test_store_ops_runs_in_process_and_as_a_module(capsys):
     p = subprocess.run([sys.executable, "-m", "gcache.bench.store_ops", "--puts", "300", "--repeat", "1"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0 and p.stdout.startswith("policy"), p.stderr[-2000:]
+
+
+def test_request_floor_serves_every_request_and_refuses_bad_arguments(capsys):
+    """Both servers answer every request of the ping-pong (the client thread would wait for ever
+    on a missing reply), and each figure is a positive CPU time per request."""
+    from gcache.bench import request_floor
+
+    for op in ("exists", "get"):
+        assert request_floor.gcache_us(op, 4, 50) > 0
+        assert request_floor.floor_us(op, 4, 50) > 0
+    args = bench_parser().parse_args(["request-floor", "--keys", "3", "--requests", "20", "--repeat", "1"])
+    assert args.fn(args) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [r.split()[:2] for r in rows[1:]] == [["exists", "3"], ["get", "3"]]
+    for bad in (["--ops", "put"], ["--keys", "x"], ["--keys", "0"], ["--requests", "1"]):
+        args = bench_parser().parse_args(["request-floor", *bad])
+        with pytest.raises(SystemExit, match="gcache bench request-floor: "):
+            args.fn(args)
 
 
 def test_gpu_check_says_when_there_is_no_gpu(capsys):

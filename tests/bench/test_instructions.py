@@ -34,7 +34,7 @@ def test_the_daemon_side_is_counted_under_callgrind(tmp_path):
     """A short real run: the handler's instructions per EXISTS of 4 keys, written as a record."""
     out = tmp_path / "ic.json"
     args = bench_parser().parse_args(["instructions", "--side", "daemon", "--ops", "exists", "--batch", "4",
-                                      "--batches", "8", "--json", str(out)])
+                                      "--batches", "40", "--json", str(out)])
     assert args.fn(args) == 0
     rec, = json.loads(out.read_text())["records"]
     assert rec["side"] == "daemon" and rec["op"] == "exists" and rec["batch"] == 4
