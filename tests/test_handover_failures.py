@@ -150,6 +150,42 @@ def test_a_node_restarted_from_its_disk_after_its_keys_moved_away_and_back_keeps
         assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
 
 
+def test_a_node_restarted_with_a_disk_its_last_incarnation_did_not_use_keeps_none_of_it(tmp_path):
+    """node0 demotes values to its disk, is killed and restarted without the disk, takes
+    deletes and overwrites of its keys, is killed again and restarted with the old disk, all
+    before it is declared down (the masters say the previous incarnation was up, and the ring
+    never changed). Before: it served what the older disk held (42 stale and 42 resurrected of
+    84 in the probe)."""
+    with cluster(tmp_path, mem="4MiB", disk="64MiB",
+                 master_args=["--suspect-after", "10", "--down-after", "20"]) as (cl, _mc, c):
+        keys = [b"k%d" % i for i in range(300)]
+        for i in range(0, len(keys), 20):
+            c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
+        assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+        d = cl.daemons[0]
+        with_disk = list(d.args)
+        at = with_disk.index("--disk")
+        cl.kill(0)
+        d.args = with_disk[:at] + with_disk[at + 4:]  # no --disk DIR --disk-size SIZE
+        cl.restart(0)
+        assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+        mine = [k for k, o in zip(keys, c.owners(keys)) if o == "node0"]
+        latest = {}
+        for k, s in zip(mine[0::2], c.delete_status(mine[0::2])):
+            if s.name in ("OK", "NOT_FOUND"):
+                latest[k] = None
+        for k, s in zip(mine[1::2], c.put(mine[1::2], [b"V2:" + k for k in mine[1::2]])):
+            if s.name == "OK":
+                latest[k] = b"V2:" + k
+        assert len(latest) > 20
+        cl.kill(0)
+        d.args = with_disk
+        cl.restart(0)
+        assert poll(lambda: serving(c, "node0"), 20), "node0 did not serve again"
+        assert not stale_reads(c, latest)
+        assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
+
+
 def test_two_nodes_joining_at_once_make_no_node_drop_its_cache(tmp_path):
     """The other side of the rules above: a node drops everything only when it missed a change
     of the ring. Two joins at once are installed one after the other (each joiner serves only

@@ -69,6 +69,7 @@ class Agent:
         # tuple; it trails ``epoch`` while a ring is being built.
         self.routing: tuple[int, HashRing | None] = (-1, None)
         self.routing_gen = -1  # the masters' ring generation of that ring (NodeTable.ring_gen)
+        self._noted: tuple[int, int] | None = None  # (ring_gen, inc) last recorded with the NVMe data
         # pushed copies sent by an older epoch than this are refused (Handler): this node
         # registered, or missed changes of the ring, since (others may have owned those keys and
         # taken writes its touch log never saw)
@@ -223,11 +224,14 @@ class Agent:
                                              "capacity": self.capacity}, timeout_s=5.0)
         if not rejoin and out.get("was") not in OWNING:
             self._drop(f"the previous incarnation was {out.get('was') or 'unknown to the masters'}")
-        elif not rejoin and self.store.recovered_ring_gen != out["membership"].get("ring_gen"):
+        elif not rejoin and self.store.recovered_routing != (out["membership"].get("ring_gen"), int(out["inc"]) - 1):
             # its ranges may have moved and come back meanwhile (a join, then a drain) without
-            # it being declared down: another node may have owned them and taken writes
-            self._drop(f"the ring changed since this node recorded its data (generation "
-                       f"{self.store.recovered_ring_gen} -> {out['membership'].get('ring_gen')})")
+            # it being declared down: another node may have owned them and taken writes; or the
+            # incarnation the masters saw up did not run with this disk (it ran without one, or
+            # the directory is an older copy): that one took writes and deletes this data lacks
+            self._drop(f"this node's data was recorded at ring generation / incarnation "
+                       f"{self.store.recovered_routing}, the previous incarnation is "
+                       f"{(out['membership'].get('ring_gen'), int(out['inc']) - 1)}")
         if not rejoin and out.get("was") in OWNING:
             self.touchlog.distrust()  # clients wrote here before the restart: pushes may be older
         membership = out["membership"]
@@ -448,8 +452,9 @@ class Agent:
                 self.fresh_since = membership.epoch  # registered, or missed changes of the ring
             self.routing = (membership.epoch, ring)
             self.routing_gen = membership.ring_gen
-        if membership.ring_gen != gen:
-            self.store.note_ring_gen(membership.ring_gen)
+        if (membership.ring_gen, self.inc) != self._noted:
+            self._noted = (membership.ring_gen, self.inc)
+            self.store.note_routing(membership.ring_gen, self.inc)
         if losing:
             try:
                 threading.Thread(target=self._close_gate, args=(losing, membership.epoch, confirmed),

@@ -114,8 +114,9 @@ class NvmeTier:
         self._last_error_log = 0.0
         self._errors_unlogged = 0
         self._discard_if_unclean()
-        # the masters' ring generation this node last routed by with these segments (agent)
-        self.recovered_ring_gen = _read_ring_gen(directory)
+        # (ring generation, incarnation): what this node last routed by, and as which of its
+        # incarnations, with these segments (the agent's record; None: none)
+        self.recovered_routing = _read_routing(directory)
         self._recover()
         _write_state(directory, clean=False)
 
@@ -445,13 +446,13 @@ class NvmeTier:
             log.info("nvme: recovered %d keys from %d segments (%d bytes, %d damaged segments)", len(self.index),
                      len(names), self.used, damaged)
 
-    def save_ring_gen(self, gen: int) -> None:
-        """Record the ring generation this node now routes by (not fsync'd: a lost or older
-        record only makes a restart drop what it recovered)."""
+    def save_routing(self, gen: int, inc: int) -> None:
+        """Record the ring generation this node now routes by and the incarnation it runs as
+        (not fsync'd: a lost or older record only makes a restart drop what it recovered)."""
         path = os.path.join(self.directory, RING_GEN_FILE)
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{gen}\n")
+                f.write(f"{gen} {inc}\n")
             os.replace(path + ".tmp", path)
         except OSError as exc:
             self._log_error("cannot record the ring generation in %s: %s", path, exc)
@@ -502,10 +503,13 @@ STATE_FILE = "tier.state"
 RING_GEN_FILE = "ring.gen"
 
 
-def _read_ring_gen(directory: str) -> int | None:
+def _read_routing(directory: str) -> tuple[int, int] | None:
+    """The (ring generation, incarnation) record; None if missing, unreadable or of the older
+    one-number form (which says nothing of the incarnation: its data is not trusted)."""
     try:
         with open(os.path.join(directory, RING_GEN_FILE)) as f:
-            return int(f.read().strip())
+            gen, inc = f.read().split()
+        return int(gen), int(inc)
     except (OSError, ValueError):
         return None
 

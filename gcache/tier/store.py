@@ -555,15 +555,16 @@ class Store:
         return True
 
     @property
-    def recovered_ring_gen(self) -> int | None:
-        """The ring generation recorded with the NVMe data recovered at start (None: none)."""
-        return self.nvme.recovered_ring_gen if self.nvme is not None else None
+    def recovered_routing(self) -> tuple[int, int] | None:
+        """The (ring generation, incarnation) recorded with the NVMe data recovered at start
+        (None: none)."""
+        return self.nvme.recovered_routing if self.nvme is not None else None
 
-    def note_ring_gen(self, gen: int) -> None:
-        """Record with the NVMe data the ring generation this node routes by (read back at the
-        next start: recovered_ring_gen)."""
+    def note_routing(self, gen: int, inc: int) -> None:
+        """Record with the NVMe data the ring generation this node routes by and the incarnation
+        it runs as (read back at the next start: recovered_routing)."""
         if self.nvme is not None:
-            self.nvme.save_ring_gen(gen)
+            self.nvme.save_routing(gen, inc)
 
     def drop_all(self) -> int:
         """Forget every value: RAM, queued for demotion and on disk (files removed, so a restart
