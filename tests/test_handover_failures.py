@@ -186,6 +186,39 @@ def test_a_node_restarted_with_a_disk_its_last_incarnation_did_not_use_keeps_non
         assert c.stats()["node0"]["dropped_on_rejoin"] > 0  # it dropped what it recovered
 
 
+def test_a_master_group_restarted_whole_numbers_its_epochs_above_the_old_ones(tmp_path):
+    """node2 is declared down, then the (only) master is killed and restarted: it keeps no state,
+    so node0 and node1 register again and node2 rejoins. Before: the new table counted epochs
+    from 0 again, below the ones daemons and clients held, so they dropped its memberships:
+    node0/node1 kept routing by the ring without node2 while node2 and new clients routed by the
+    one with it, and a key written through an old client was read stale through a new one (35
+    of 100 in the probe, and the same keys came back after an acknowledged delete)."""
+    with cluster(tmp_path, nodes=3, master_args=["--suspect-after", "1", "--down-after", "2"]) as (cl, mc, old):
+        keys = [b"key-%d" % i for i in range(200)]
+        assert all(s.name == "OK" for s in old.put(keys, [b"V1:" + k for k in keys]))
+        cl.kill(2)
+        assert poll(lambda: old.refresh_membership() or "node2" not in old.membership.owners(), 20)
+        before = old.membership.epoch
+        cl.kill(0, master=True)
+        cl.restart(0, master=True)
+        assert poll(lambda: {"node0", "node1"} <= {r["id"] for r in mc.membership()["nodes"]}, 30)
+        cl.restart(2)
+        assert poll(lambda: "node2" in {r["id"] for r in mc.membership()["nodes"] if r["state"] == "up"}, 30)
+        assert poll(lambda: old.refresh_membership() or "node2" in old.membership.owners(), 20), \
+            "the old client never took the new group's membership"
+        assert old.membership.epoch > before
+        with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=LocalPath.OFF,
+                    on_node_error=OnNodeError.MISS) as new:
+            assert poll(lambda: old.owners(keys) == new.owners(keys), 10)
+            latest = {k: b"V3:" + k for k, s in zip(keys, old.put(keys, [b"V3:" + k for k in keys]))
+                      if s.name == "OK"}
+            assert len(latest) > 150
+            assert not stale_reads(new, latest)
+            dels = keys[::2]
+            assert all(s.name in ("OK", "NOT_FOUND") for s in old.delete_status(dels))
+            assert not [k for k, g in zip(dels, new.get(dels)) if g is not None]
+
+
 def test_two_nodes_joining_at_once_make_no_node_drop_its_cache(tmp_path):
     """The other side of the rules above: a node drops everything only when it missed a change
     of the ring. Two joins at once are installed one after the other (each joiner serves only

@@ -101,3 +101,18 @@ def test_the_table_keeps_the_last_rings_by_generation():
     t2 = NodeTable()
     t2.restore(blob)
     assert t2.rings_after(4) == rings[1:] and t2.rings_after(3) is None  # older ones are not in snapshots
+
+
+def test_a_new_table_numbers_its_epochs_from_the_first_registrations_base():
+    """Masters keep no state on disk: a group started afresh numbers its epochs and rings from
+    the base its first registration carries (the proposer's clock), above the old group's; later
+    registrations' bases change nothing."""
+    t = NodeTable()
+    out = t.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": GiB, "base": 5000})
+    assert out["epoch"] == t.epoch == 5001 and t.ring_gen == 5001 and t.rings_after(5000)[0]["gen"] == 5001
+    t.apply({"v": 1, "op": "register", "node": "b", "address": "10.0.0.2:1", "capacity": GiB, "base": 9000})
+    assert t.epoch == 5002 and t.ring_gen == 5002
+    for bad in (0, -1, "7", None):
+        u = NodeTable()
+        u.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": GiB, "base": bad})
+        assert u.epoch == 1 and u.ring_gen == 1

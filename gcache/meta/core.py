@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -145,6 +146,8 @@ class Core:
                 self._reports_cv.notify()
             return
         try:
+            if cmd.get("op") == "register":  # the first one numbers a new table's epochs (NodeTable)
+                cmd = {**cmd, "base": epoch_base()}
             out = self.raft.propose({"v": COMMAND_VERSION, **cmd}, timeout_s=timeout_s)
             self.send(("reply", req_id, True, out))
         except ValueError as exc:
@@ -242,6 +245,15 @@ class Core:
             log.warning("could not mark %s %s: %s", node, state, exc)
         finally:
             self._in_flight.discard((node, inc))
+
+
+def epoch_base() -> int:
+    """The first epoch (and ring generation) of a new node table: the wall clock in ms. Masters
+    keep no state on disk, so a group that was stopped whole starts again from an empty table;
+    numbered from the clock, its epochs are above those of the group before it (which moved its
+    epoch less than once a millisecond), so daemons and clients that still hold that group's
+    membership take the new one instead of dropping it as older."""
+    return int(time.time() * 1000)
 
 
 def _die_with_parent() -> None:

@@ -67,6 +67,12 @@ class NodeTable:
 
     def _cmd_register(self, cmd: dict[str, Any]) -> dict[str, Any]:
         node, address, capacity = cmd["node"], cmd["address"], int(cmd["capacity"])
+        base = cmd.get("base")
+        if isinstance(base, int) and base > 0 and self.epoch == 0 and not self.nodes:
+            # a new table (the whole group started afresh: masters keep no state on disk)
+            # numbers its epochs and rings from the proposer's clock, above those of any group
+            # before it, whose daemons and clients drop a membership older than the one they hold
+            self.epoch = self.ring_gen = base
         before = self._owners()
         old = self.nodes.get(node)
         inc = (old["inc"] if old else 0) + 1
