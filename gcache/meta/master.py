@@ -33,6 +33,7 @@ from gcache.meta import rpc
 from gcache.meta.core import core_main
 from gcache.meta.feed import FanOut, MembershipFeed
 from gcache.meta.frontstats import FrontStats
+from gcache.net.address import split_host_port
 
 log = logging.getLogger("gcache.master")
 
@@ -49,6 +50,29 @@ def lower_own_priority(by: int) -> None:
             os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + by))
         except OSError:  # the thread has exited
             pass
+
+
+MAX_NODE_ID = 255  # characters
+MAX_CAPACITY = 1 << 60  # bytes a node may declare (RAM + disk)
+MAX_INT = 1 << 63
+
+
+def register_error(req: dict[str, Any]) -> str | None:
+    """What is wrong with a Register request (None: nothing): every field ends up in the
+    membership that every client and daemon routes by."""
+    node, address, capacity = req.get("node"), req.get("address"), req.get("capacity")
+    if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_ID:
+        return f"'node' must be a string of 1..{MAX_NODE_ID} characters"
+    if not isinstance(address, str):
+        return "'address' must be a HOST:PORT string"
+    try:
+        if split_host_port(address, "'address'")[1] == 0:
+            raise ValueError(f"'address' {address!r}: port 0 cannot be reached")
+    except ValueError as exc:
+        return str(exc)
+    if type(capacity) is not int or not 0 < capacity <= MAX_CAPACITY:
+        return f"'capacity' must be an int of bytes in 1..{MAX_CAPACITY}"
+    return None
 
 
 class CoreGone(Exception):
@@ -226,6 +250,9 @@ class Master:
         raise AssertionError("unreachable")
 
     async def register(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        err = register_error(req)
+        if err is not None:  # it would go into every membership: one bad entry breaks every client
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {err}")
         node = str(req["node"])
         out = await self._propose({"op": "register", "node": node, "address": str(req["address"]),
                                    "capacity": int(req["capacity"])}, context)
@@ -282,6 +309,9 @@ class Master:
         return out
 
     async def handover_done(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
+        ep = req.get("epoch")
+        if not isinstance(req.get("node"), str) or type(ep) is not int or not 0 <= ep < MAX_INT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HandoverDone needs a 'node' string and an int 'epoch'")
         return await self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
                                    context)
 
