@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,8 +47,8 @@ from gcache.client import Client
 from gcache.client.client import OnNodeError
 from gcache.protocol import Status
 from sglang_adapter.config import AdapterConfig
-from sglang_adapter.keys import KeyScheme, page_format
-from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format
+from sglang_adapter.keys import KeyScheme, model_name, page_format
+from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format, served_model
 from sglang_adapter.window import PoolCheck, leading, window_safe
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,17 @@ class GCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = AdapterConfig.from_extra(storage_config.extra_config if storage_config else None)
         self.scheme = KeyScheme.from_storage_config(storage_config)
+        if not self.scheme.model:
+            self.scheme = replace(self.scheme, model=model_name(served_model()))
+            if not self.scheme.model:
+                log.warning("gcache storage: no model name (storage config nor server arguments): pages "
+                            "of another unnamed model with the same pool layout share these keys")
+        # SGLang's own rule (HiCacheController.attach_storage_backend) for a dynamic backend: the
+        # zero-copy page functions with interface_v1, else the generic ones (batch_get/batch_set of
+        # flat page tensors, whose keys batch_exists must then name)
+        extra = getattr(storage_config, "extra_config", None) or {}
+        self.zero_copy = bool(extra.get("interface_v1", 0))
+        self._flat: tuple[Any, str, str, list[int]] | None = None  # (KV host pool, its flat page's kind, dtype, shape)
         self.client = Client(self.config.target(), namespace=self.config.namespace, token=self.config.token(),
                              timeout_s=self.config.timeout_s, connect_timeout_s=self.config.connect_timeout_s,
                              on_node_error=OnNodeError.MISS, local=self.config.local)
@@ -137,7 +149,8 @@ class GCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
-            return leading(self.client.exists(self.page_keys(keys, KV)))
+            query = self.page_keys(keys, KV) if self.zero_copy else self._flat_page_keys(keys)
+            return leading(self.client.exists(query))
         except Exception:
             log.exception("gcache batch_exists failed")
             return 0
@@ -273,10 +286,23 @@ class GCacheStorage(HiCacheStorage):
         format of the host pool it was copied from (SGLang flattens a page, so a page_first and
         a layer_first page have the same shape; fp8 variants the same dtype)."""
         shape = list(getattr(tensor, "shape", ())) or [len(memoryview(tensor).cast("B"))]
+        return self._legacy_key(page_hash, type(tensor).__name__, str(getattr(tensor, "dtype", "bytes")), shape)
+
+    def _legacy_key(self, page_hash: str, kind: str, dtype: str, shape: list[int]) -> bytes:
         pool_fmt = self._format(KV) if self.mem_pool_host is not None or KV in self.registered_pools else ""
-        fmt = page_format(type(tensor).__name__, "tensor", str(getattr(tensor, "dtype", "bytes")), 0, shape,
-                          [f"pool={pool_fmt}", *self.identity])
+        fmt = page_format(kind, "tensor", dtype, 0, shape, [f"pool={pool_fmt}", *self.identity])
         return self.scheme.key(page_hash, KV, fmt)
+
+    def _flat_page_keys(self, page_hashes: list[str]) -> list[bytes]:
+        """The keys the generic path's batch_get looks up: those of the flat page it reads into
+        (the KV host pool's ``get_dummy_flat_data_page``), so batch_exists finds what batch_get
+        would."""
+        pool = self._pool(KV)
+        if self._flat is None or self._flat[0] is not pool:
+            page = pool.get_dummy_flat_data_page()
+            self._flat = (pool, type(page).__name__, str(page.dtype), list(page.shape))
+        _, kind, dtype, shape = self._flat
+        return [self._legacy_key(h, kind, dtype, shape) for h in page_hashes]
 
     def clear(self) -> bool:
         log.warning("gcache storage: clear() is not supported (entries age out by eviction)")

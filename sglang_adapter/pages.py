@@ -75,16 +75,31 @@ IDENTITY_ARGS = ("kv_cache_dtype", "mamba_ssm_dtype", "dtype", "quantization", "
                  "quantization_param_path", "revision", "json_model_override_args")
 
 
+def _server_args() -> Any:
+    """The SGLang process's server arguments (sglang.srt.runtime_context); None outside a
+    scheduler, or with an older sglang."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:  # noqa: BLE001 - not published (not in a scheduler), or an older sglang
+        return None
+
+
+def served_model(server_args: Any = None) -> str:
+    """The served model's name (``served_model_name``, else ``model_path``) from ``server_args``
+    or else the process's; "" when neither says."""
+    args = server_args if server_args is not None else _server_args()
+    return str(getattr(args, "served_model_name", None) or getattr(args, "model_path", None) or "")
+
+
 def deployment_identity(server_args: Any = None) -> list[str]:
     """``name=value`` of each IDENTITY_ARGS argument set to something other than its automatic
     default, from ``server_args`` or else the process's (sglang.srt.runtime_context; none
     outside an SGLang process)."""
     if server_args is None:
-        try:
-            from sglang.srt.runtime_context import get_server_args
-
-            server_args = get_server_args()
-        except Exception:  # noqa: BLE001 - not published (not in a scheduler), or an older sglang
+        server_args = _server_args()
+        if server_args is None:
             return []
     out = []
     for name in IDENTITY_ARGS:

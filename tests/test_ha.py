@@ -305,7 +305,8 @@ def test_wrong_token_is_refused_and_the_cluster_is_unaffected(ha):
     c = ha(nodes=2)
     with pytest.raises(AuthFailed):
         MasterClient(c.master_url, "not-the-token").membership()
-    m = Membership.from_master(master_client(c).membership())
+    mc = master_client(c)  # a follower may not have applied the daemons' registrations yet
+    m = Membership.from_master(poll(lambda: (got := mc.membership())["nodes"] and got, 5))
     for token in ("not-the-token", None):
         bad = Client(m, token=token, timeout_s=1.0)
         if token is None:

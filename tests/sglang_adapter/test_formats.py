@@ -140,6 +140,46 @@ def test_the_legacy_copy_path_never_mixes_page_layouts(cluster):
         s.close()
 
 
+def test_the_legacy_copy_path_finds_what_it_stored(cluster):
+    """On the generic path SGLang asks batch_exists before it prefetches (_storage_hit_query):
+    it must name the keys batch_set wrote, or the deployment never hits L3; a pool of another
+    layout still finds nothing."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    def controller(layout):
+        host = mha_host_pool(layout, layers=3, page=PAGE, tokens=64)
+        st = make_storage(cluster.addresses, {"interface_v1": 0})
+        st.register_mem_pool_host(host)
+        c = object.__new__(HiCacheController)
+        c.__dict__.update(storage_backend=st, storage_host_pool=host, mem_pool_host=host, page_size=PAGE)
+        return c, host, st
+
+    writer, wh, ws = controller("page_first")
+    reader, rh, rs = controller("page_first")
+    other, _, os_ = controller("layer_first")
+    tokens = list(range(4100, 4100 + 3 * PAGE))
+    keys = get_storage_hash_str(tokens, None, page_size=PAGE)
+    wh.kv_buffer.copy_(torch.rand(wh.kv_buffer.shape))
+    assert writer._generic_page_set(keys[:2], torch.arange(8, 8 + 2 * PAGE))
+
+    def query(c):
+        op = SimpleNamespace(last_hash=None, token_ids=tokens, prefix_keys=None, request_id="r",
+                             is_terminated=lambda: False)
+        return c._storage_hit_query(op)[1]
+
+    assert query(reader) == 2 * PAGE and reader.storage_backend.exists(keys[0])
+    assert query(other) == 0 and not other.storage_backend.exists(keys[0])
+    op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
+    assert reader._generic_page_get(op, keys[:2], torch.arange(16, 16 + 2 * PAGE)) == 2
+    assert torch.equal(rh.kv_buffer[:, 16:16 + 2 * PAGE], wh.kv_buffer[:, 8:8 + 2 * PAGE])
+    for s in (ws, rs, os_):
+        s.close()
+
+
 def test_the_routers_l3_probe_finds_the_pages_the_backend_wrote(cluster):
     """The router asks gcache for ``{page hash}.kv@{--l3-shard}``: with the shard the backend
     names (l3_shard: shard and page format), it sees exactly the leading run of stored pages."""
@@ -158,3 +198,15 @@ def test_the_routers_l3_probe_finds_the_pages_the_backend_wrote(cluster):
     finally:
         probe.client.close()
         s.close()
+
+
+def test_an_unnamed_model_is_keyed_by_the_served_model():
+    """With no model_name in the storage config the shard names the model the server serves, so
+    two unnamed models with the same pool layout do not share pages."""
+    from types import SimpleNamespace
+
+    from sglang_adapter.pages import served_model
+
+    assert served_model(SimpleNamespace(served_model_name=None, model_path="Org/A-7B")) == "Org/A-7B"
+    assert served_model(SimpleNamespace(served_model_name="a", model_path="Org/A-7B")) == "a"
+    assert served_model(SimpleNamespace()) == ""
