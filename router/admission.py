@@ -74,7 +74,9 @@ class Admission:
             got = await self._try_encoder(req)
             if got is not None:
                 return got
-        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.queues.get(p.bucket))
+        # straight to a worker only while nobody waits: a waiting request of any bucket may be
+        # the one a free shared (bucket-less) worker owes its next slot to
+        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.depth())
         if got is not None:
             return got
         if p.outcome is Outcome.NO_MODEL:
@@ -118,26 +120,35 @@ class Admission:
             await self.pump()
 
     async def pump(self) -> None:
-        """Hand free slots to waiting requests, best key first."""
+        """Hand free slots to waiting requests, best key first across every bucket's queue (the
+        queues share one order: a worker without a bucket serves them all). A queue whose head
+        finds every eligible worker full is passed over, its order kept, until the next pump."""
         async with self._pump_lock:
-            for q in self.queues.values():
-                while len(q):
-                    w = q.peek()
-                    if w is None or w.fut.done():
-                        q.pop()
-                        continue
-                    p, got = await self._try(w.req, w.exclude, w.l3_tokens)
-                    if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
-                        break
+            blocked: set[int] = set()
+            while True:
+                heads = [(key, b) for b, q in self.queues.items()
+                         if b not in blocked and (key := q.head_key()) is not None]
+                if not heads:
+                    break
+                bucket = min(heads)[1]
+                q = self.queues[bucket]
+                w = q.peek()
+                if w is None or w.fut.done():
                     q.pop()
-                    if got is None and p.outcome is Outcome.NO_MODEL:
-                        w.fut.set_exception(Rejected(404, "model_not_found",
-                                                     f"no worker serves model {w.req.model!r} any more"))
-                    elif got is None:
-                        w.fut.set_exception(Rejected(503, "no_worker", "no healthy worker for this request"))
-                    else:
-                        self.metrics.queue_wait.observe(time.monotonic() - w.since)
-                        w.fut.set_result(got)
+                    continue
+                p, got = await self._try(w.req, w.exclude, w.l3_tokens)
+                if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
+                    blocked.add(bucket)
+                    continue
+                q.pop()
+                if got is None and p.outcome is Outcome.NO_MODEL:
+                    w.fut.set_exception(Rejected(404, "model_not_found",
+                                                 f"no worker serves model {w.req.model!r} any more"))
+                elif got is None:
+                    w.fut.set_exception(Rejected(503, "no_worker", "no healthy worker for this request"))
+                else:
+                    self.metrics.queue_wait.observe(time.monotonic() - w.since)
+                    w.fut.set_result(got)
             self.metrics.queue_depth.set(self.depth())
 
     async def _try(self, req: ParsedRequest, exclude: frozenset[str], l3_tokens: int = 0,

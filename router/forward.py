@@ -133,8 +133,9 @@ async def _stream(conn: HttpConnection, up: UpstreamConn, hdrs: list[bytes], t: 
         log.debug("client went away while streaming from %s", target.key)
         conn.abort()
     except (TimeoutError, UpstreamError) as e:
-        # headers are sent: the client sees the stream end early
+        # headers are sent: close without the terminating chunk, so the client sees the answer
+        # was cut off (a clean end would pass a truncated answer for a whole one)
         log.warning("worker %s failed mid-stream: %s: %s", target.key, type(e).__name__, e)
-        conn.write_eof()
+        conn.abort()
         ok = False
     return Forwarded(None, ok, up.status)

@@ -5,14 +5,17 @@ Orders (``QueueOrder``):
 - FCFS: arrival order.
 - UNCACHED: fewest estimated uncached tokens first (shortest-prefill-first). Good
   for mean TTFT, but a long prompt can wait forever behind a stream of short ones.
-- AGED: key(t) = uncached_tokens - aging_tokens_per_s * (t - arrival). Every waiting
-  request ages at the same rate, so the relative order of two requests never
-  changes while both wait and the key reduces to the static
-  ``uncached_tokens + aging_tokens_per_s * arrival`` (a plain heap works).
-  Starvation-free: a request (u, a) is served before any request that arrives
-  after a + u / aging_tokens_per_s, because that request's key exceeds u + rate*a
-  even with zero uncached tokens; so at most the finitely many requests arriving
-  in that window can overtake it.
+- AGED: key(t) = min(uncached_tokens, cap) - aging_tokens_per_s * (t - arrival), with
+  cap = aging_tokens_per_s * max_wait_s / 2. Every waiting request ages at the same
+  rate, so the relative order of two requests never changes while both wait and the
+  key reduces to the static ``min(uncached_tokens, cap) + aging_tokens_per_s *
+  arrival`` (a plain heap works). Starvation-free: a request (u, a) is served before
+  any request that arrives after a + min(u / aging_tokens_per_s, max_wait_s / 2),
+  because that request's key exceeds min(u, cap) + rate*a even with zero uncached
+  tokens; so at most the requests arriving in that window can overtake it. The cap
+  keeps the window inside max_wait_s: without it a prompt of more than
+  rate x max_wait_s uncached tokens (123K at the defaults) could be overtaken until
+  it timed out.
 
 Pure and clock-free: callers pass ``now``.
 """
@@ -60,7 +63,8 @@ class PendingQueue(Generic[T]):
             return (arrival, seq)
         if order is QueueOrder.UNCACHED:
             return (float(uncached), seq)
-        return (uncached + self.cfg.aging_tokens_per_s * arrival, seq)
+        rate = self.cfg.aging_tokens_per_s
+        return (min(uncached, rate * self.cfg.max_wait_s / 2) + rate * arrival, seq)
 
     def full(self) -> bool:
         return self._live >= self.cfg.max_depth
@@ -75,6 +79,11 @@ class PendingQueue(Generic[T]):
         self._fifo.append(e)
         self._live += 1
         return e
+
+    def head_key(self) -> tuple[float, int] | None:
+        """The key of the head (None when empty): heads of several queues compare by it."""
+        self._drop_dead()
+        return self._heap[0].key if self._heap else None
 
     def peek(self) -> T | None:
         self._drop_dead()

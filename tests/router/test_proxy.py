@@ -9,7 +9,7 @@ import json
 
 import aiohttp
 
-from router.config import QueueConfig, WorkerSpec
+from router.config import BucketConfig, QueueConfig, WorkerSpec
 from router.proxy import APP_KEY, build_app
 from tests.router.conftest import ADMIN, poll, serve_app, test_config, url_of, wid
 from tests.router.fakeworker import FakeWorker
@@ -188,6 +188,36 @@ def test_full_workers_queue_then_503_with_retry_after():
             assert 'gcache_router_rejected_total{reason="queue_timeout"} 1.0' in metrics
             assert "gcache_router_queue_wait_seconds_count 1.0" in metrics
             await poll(lambda: counters_zero(router), what="in-flight counters back to zero")
+    asyncio.run(main())
+
+
+def test_a_waiting_request_of_another_length_bucket_is_not_overtaken():
+    """Queues are per length bucket, but a worker without a bucket serves them all: a freed slot
+    goes to the waiting request with the best aged key across every queue, not to the queue
+    made first (there a stream of short prompts kept a long one out until it timed out)."""
+    async def main():
+        cfg = test_config(queue=QueueConfig(max_wait_s=5.0, aging_tokens_per_s=1e6),
+                          buckets=BucketConfig(((0, 100), (100, 1 << 30))))
+        async with fleet(n=1, cfg=cfg, specs={"max_inflight": 1}) as (url, s, fakes, router):
+            fake = next(iter(fakes.values()))
+            sent = []
+
+            async def send(prompt, depth):
+                sent.append(asyncio.ensure_future(s.post(url + "/v1/completions",
+                                                         json={"prompt": prompt, "hold": True})))
+                await poll(lambda: (fake.active, router.admission.depth()) == (1, depth), what=f"{prompt[:8]} waits")
+
+            sent.append(asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "held", "hold": True})))
+            await poll(lambda: fake.active == 1, what="the slot taken")
+            await send("short one", 1)  # bucket 0
+            await send("long " + "x" * 800, 2)  # ~200 tokens: bucket 1, after short one
+            await send("short two", 3)  # bucket 0, after the long one
+            fake.gate.set()
+            for r in await asyncio.gather(*sent):
+                assert r.status == 200
+                r.release()
+            order = [json.loads(b)["prompt"][:9] for b in fake.bodies]
+            assert order == ["held", "short one", "long xxxx", "short two"]
     asyncio.run(main())
 
 

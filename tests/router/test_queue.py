@@ -16,8 +16,8 @@ def drain(q):
     return out
 
 
-def fill(order, items, aging=10.0):
-    q = PendingQueue(QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=100))
+def fill(order, items, aging=10.0, max_wait=1000.0):
+    q = PendingQueue(QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=max_wait))
     for name, unc, t in items:
         q.push(name, unc, t)
     return q
@@ -33,6 +33,8 @@ def test_orders():
     assert drain(fill(QueueOrder.AGED, ITEMS)) == ["b", "d", "c", "a"]
     # with fast aging the old request wins: a 1000, b 1010, c 2500, d 3010
     assert drain(fill(QueueOrder.AGED, ITEMS, aging=1000.0)) == ["a", "b", "c", "d"]
+    # uncached tokens count up to aging x max_wait / 2 (500 here): a 500, b 20, c 520, d 40
+    assert drain(fill(QueueOrder.AGED, ITEMS, max_wait=100.0)) == ["b", "d", "a", "c"]
 
 
 def test_expire_and_cancel():
@@ -52,12 +54,14 @@ def test_expire_and_cancel():
     st.lists(st.tuples(st.integers(0, 100_000), st.floats(0, 5)), min_size=1, max_size=60),
     st.floats(100, 50_000),
     st.integers(1, 3),
+    st.sampled_from([1e9, 10.0, 1.0]),
 )
-def test_aged_order_is_starvation_free(arrivals, aging, serve_every):
+def test_aged_order_is_starvation_free(arrivals, aging, serve_every, max_wait):
     """Requests arrive (uncached tokens, gap); the server pops one per ``serve_every``
     arrivals. No request is ever overtaken by one that arrived more than
-    uncached/aging seconds after it, so its wait is bounded whatever arrives later."""
-    q = PendingQueue(QueueConfig(order=QueueOrder.AGED, aging_tokens_per_s=aging, max_wait_s=1e9))
+    min(uncached / aging, max_wait / 2) seconds after it, so its wait is bounded whatever
+    arrives later, and within max_wait however many tokens it has."""
+    q = PendingQueue(QueueConfig(order=QueueOrder.AGED, aging_tokens_per_s=aging, max_wait_s=max_wait))
     t, served, info = 0.0, [], {}
     for i, (unc, gap) in enumerate(arrivals):
         t += gap
@@ -70,5 +74,5 @@ def test_aged_order_is_starvation_free(arrivals, aging, serve_every):
     pos = {r: k for k, r in enumerate(served)}
     for r, (unc, t_r) in info.items():
         for s, (_, t_s) in info.items():
-            if t_s > t_r + unc / aging + 1e-9:
+            if t_s > t_r + min(unc / aging, max_wait / 2) + 1e-9:
                 assert pos[r] < pos[s], f"request {r} starved behind later request {s}"

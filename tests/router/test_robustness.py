@@ -10,6 +10,7 @@ import struct
 import time
 
 import aiohttp
+import pytest
 
 from router.config import QueueConfig, WorkerSpec
 from router.proxy import APP_KEY, build_app
@@ -93,7 +94,9 @@ def test_upstream_first_byte_and_idle_timeouts():
             t0 = time.monotonic()
             async with s.post(url + "/generate", json={"text": "hi", "stream": True, "chunks": 3, "gate": True}) as r:
                 assert r.status == 200
-                got = await r.read()  # first event, then the worker goes silent: the stream is cut
+                got = await r.content.readuntil(b"\n\n")  # first event, then the worker goes silent
+                with pytest.raises(aiohttp.ClientPayloadError):  # cut: no terminating chunk, so the
+                    await r.read()  # client can tell it from a complete answer
             assert got.startswith(b"data: ") and b"[DONE]" not in got
             assert time.monotonic() - t0 < 5
             fake.gate.set()

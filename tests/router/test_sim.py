@@ -63,16 +63,17 @@ def test_hot_prefix_spreads_like_the_gated_policy(rate):
 
 
 def test_queue_orders_under_saturation(trace):
-    def run(order, aging=2000.0):
-        q = QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=3600)
+    def run(order, aging=2000.0, max_wait=3600.0):
+        q = QueueConfig(order=order, aging_tokens_per_s=aging, max_wait_s=max_wait)
         return simulate(trace, SimConfig(policy="min_ttft", workers=4, max_inflight=4, speedup=4, queue=q))
 
     fcfs, unc = run(QueueOrder.FCFS), run(QueueOrder.UNCACHED)
     assert fcfs["max_wait_s"] > 10  # the queue is really used
     assert fcfs["max_wait_s"] <= unc["max_wait_s"]  # shortest-first makes someone wait longer...
     assert unc["mean_wait_s"] <= fcfs["mean_wait_s"]  # ...and everyone else wait less
-    # with negligible aging the aged order is exactly shortest-first...
-    slow = run(QueueOrder.AGED, aging=1e-3)
+    # with negligible aging (and a max wait that caps no prompt's tokens: aging x max_wait / 2)
+    # the aged order is exactly shortest-first...
+    slow = run(QueueOrder.AGED, aging=1e-3, max_wait=1e9)
     assert {k: v for k, v in slow.items() if k != "queue"} == {k: v for k, v in unc.items() if k != "queue"}
     # ...and with fast aging it bounds the worst wait like FCFS does
     fast = run(QueueOrder.AGED, aging=1e6)
