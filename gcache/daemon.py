@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse data requests (FENCED) after this long without an acknowledgement from the master "
                         "leader, unless every peer confirms a master outage; keep it + 0.6 below the masters' "
                         "--down-after (default %(default)s)")
+    p.add_argument("--outage-max", type=float, default=30.0,
+                   help="in a master outage its peers confirm, serve on under the last membership for at most "
+                        "this long after the master leader last acknowledged this node, then fence; a node "
+                        "joining while nodes are declared down waits up to this (+ --fence-after) for them "
+                        "(default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
                         "the address is printed at start-up and written to READY_FILE.metrics")
@@ -110,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
                             max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)
         agent = None
         if args.masters:
+            if not 0 < args.outage_max < float("inf"):
+                raise ConfigError(f"--outage-max must be a positive number of seconds, got {args.outage_max}")
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
                           config.mem_bytes + config.disk_bytes, store, token, ClientPut(token),
-                          heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
+                          heartbeat_s=args.heartbeat, fence_after_s=args.fence_after,
+                          outage_max_s=args.outage_max)
             server.ctx.agent = agent  # the local server shares this context
         local = None
         if not args.no_local:

@@ -149,6 +149,13 @@ class Core:
             if cmd.get("op") == "register":  # the first one numbers a new table's epochs (NodeTable)
                 cmd = {**cmd, "base": epoch_base()}
             out = self.raft.propose({"v": COMMAND_VERSION, **cmd}, timeout_s=timeout_s)
+            if cmd.get("op") == "register":
+                # how long ago this master last heard each down node: a node cut off from the
+                # masters together with its peers may serve on for a while (its outage bound,
+                # gcache.server.agent), and the registering node waits until it cannot
+                with self.lock:
+                    down = [n for n, r in self.table.nodes.items() if r["state"] == "down"]
+                out = {**out, "silent": self.detector.silent_for(down)}
             self.send(("reply", req_id, True, out))
         except ValueError as exc:
             self.send(("reply", req_id, False, ("refused", str(exc))))

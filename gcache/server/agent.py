@@ -51,8 +51,11 @@ WRITE_WAIT_S = 1.0  # a write waits at most this long for this node to catch up 
 
 class Agent:
     def __init__(self, masters: MasterClient, node_id: str, address: str, capacity: int, store: Store,
-                 token: str | None, put: PutFn, heartbeat_s: float = 1.0, fence_after_s: float = 2.0) -> None:
-        """``put`` carries handover copies to their new owners (gcache.server.handover)."""
+                 token: str | None, put: PutFn, heartbeat_s: float = 1.0, fence_after_s: float = 2.0,
+                 outage_max_s: float = 30.0) -> None:
+        """``put`` carries handover copies to their new owners (gcache.server.handover).
+        ``outage_max_s``: how long after the master leader last acknowledged it the daemon may go
+        on serving in a master outage its peers confirm (gcache.server.lease)."""
         self.masters = masters
         self.put = put
         self.node_id = node_id
@@ -62,6 +65,8 @@ class Agent:
         self.token = token
         self.heartbeat_s = heartbeat_s
         self.fence_after_s = fence_after_s
+        self.outage_max_s = outage_max_s
+        self._last_led = 0.0  # when the last round the master leader acknowledged was sent
         self.inc = 0
         self.epoch = 0
         self.membership: Membership | None = None
@@ -84,6 +89,7 @@ class Agent:
         # after its lease lapsed, the node serves again only once it routes by this epoch: the
         # cluster went on without it (a node that took over its keys did not wait for it)
         self._catch_up_to = -1
+        self._heard = -1  # the newest epoch a peer or client said exists
         self._ring_cond = threading.Condition()
         self._last_tick = 0.0
         self._registered = threading.Event()
@@ -121,6 +127,11 @@ class Agent:
         return (self.left or not self._registered.is_set()
                 or time.monotonic() - self._last_tick > self.fence_after_s
                 or self.routing[0] < self._catch_up_to)
+
+    @property
+    def catch_up_to(self) -> int:
+        """The epoch this node must route by before it serves again (-1: none)."""
+        return self._catch_up_to
 
     def owns_by(self, ring: HashRing | None, namespace: str, key: bytes) -> bool:
         """Whether ``ring`` gives ``key`` to this node (a draining node, not in the ring, owns
@@ -163,6 +174,13 @@ class Agent:
         that a heartbeat round busy elsewhere (asking the peers while the masters elect a leader)
         does not keep the writes of clients ahead waiting (Agent.writable)."""
         if epoch > self.epoch:
+            with self._lock:
+                self._heard = max(self._heard, epoch)
+                if self._registered.is_set() and self.mode in (Mode.OUTAGE, Mode.CUT_OFF):
+                    # the cluster went on without this node and it cannot ask the leader for the
+                    # new membership: serve nothing until it routes by it (a node serving on in
+                    # what looked like a master outage while one that joined took its keys over)
+                    self._catch_up_to = max(self._catch_up_to, epoch)
             with self._changed:
                 self._changed.notify_all()
             with self._lock:
@@ -244,7 +262,8 @@ class Agent:
         with self._lock:  # copies pushed before this incarnation are not welcome (Handler)
             self.fresh_since = max(self.fresh_since, int(membership["epoch"]))
         self._await_previous_owners(membership)
-        self._last_tick = sent_at
+        self._await_down_nodes(membership, out.get("silent"), sent_at)
+        self._last_tick = self._last_led = sent_at
         self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
@@ -260,15 +279,38 @@ class Agent:
         t = m.get("transition") or {}
         self._confirm({r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}, self.epoch)
 
-    def _confirm(self, prev: dict[str, str], epoch: int) -> None:
-        """Announce ``epoch`` to ``prev`` until each says it routes by it, or fence-after passed
-        (one that cannot be told cannot reach the leader either: it has fenced by then)."""
-        deadline = time.monotonic() + self.fence_after_s
+    def _await_down_nodes(self, m: dict[str, Any], silent: Any, sent_at: float) -> None:
+        """Serve only once no node the masters declared down may still serve by an older
+        membership. A node cut off from the masters together with every peer it asks takes it
+        for a master outage and serves on (up to ``outage_max_s`` after the leader last
+        acknowledged it, plus its lease) while the masters declare it down; a node joining then
+        would own its keys beside it (clients cut off from the masters too still read there).
+        ``silent``: seconds since the answering master last heard each down node (the Register
+        reply). Each one heard within that bound is told the new epoch (a node that cannot
+        reach the leader fences at once when told, ``note_epoch``) until it confirms, or the
+        bound has passed."""
+        if not isinstance(silent, dict):
+            return
+        bound = self.outage_max_s + self.fence_after_s
+        addr = {r["id"]: r["address"] for r in m.get("nodes", ()) if r.get("state") == "down"}
+        waits = {n: bound - float(s) for n, s in silent.items()
+                 if n in addr and n != self.node_id and isinstance(s, (int, float)) and float(s) < bound}
+        if waits:
+            self._confirm({n: addr[n] for n in waits}, self.epoch, sent_at + max(waits.values()),
+                          "down nodes")
+
+    def _confirm(self, prev: dict[str, str], epoch: int, deadline: float | None = None,
+                 what: str = "previous owners") -> None:
+        """Announce ``epoch`` to ``prev`` until each says it routes by it (or that it will not
+        serve until it does), or ``deadline`` (by default fence-after from now) passed (a
+        previous owner that cannot be told cannot reach the leader either: it has fenced by
+        then)."""
+        deadline = time.monotonic() + self.fence_after_s if deadline is None else deadline
         while prev and not self._stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("previous owners %s did not confirm epoch %d within fence-after (%.1fs); going on: "
-                            "they are fenced by now", sorted(prev), epoch, self.fence_after_s)
+                log.warning("%s %s did not confirm epoch %d in time; going on: they are fenced by now",
+                            what, sorted(prev), epoch)
                 return
             for node in announce_epoch(prev, epoch, self.token, min(0.5, remaining)):
                 del prev[node]
@@ -353,7 +395,7 @@ class Agent:
             # fenced until it routes by the newest membership it has (_install_ring), fetched in
             # this round or by a catch-up fetch (note_epoch)
             self._catch_up_to = max(self._catch_up_to, self.epoch)
-        self._last_tick = sent_at
+        self._last_tick = self._last_led = sent_at
         self._set_mode(Mode.SERVING, "the master leader acknowledges this node again")
 
     def _peer_ask(self) -> PeerAsk:
@@ -368,6 +410,18 @@ class Agent:
             return
         ask = ask or self._peer_ask()
         answers = ask.answers()
+        with self._lock:
+            heard = self._heard
+            if heard > self.epoch:
+                self._catch_up_to = max(self._catch_up_to, heard)
+        if heard > self.epoch:
+            self._set_mode(Mode.CUT_OFF, f"epoch {heard} exists (a peer or client said so) and no master leader "
+                                         "answers to give it: fenced until this node routes by it")
+            return
+        if sent_at - self._last_led >= self.outage_max_s:
+            self._set_mode(Mode.CUT_OFF, f"no master leader for {self.outage_max_s:g}s (--outage-max): fencing; "
+                                         "the masters may have declared this node down and given its keys away")
+            return
         if outage_confirmed(self.epoch, list(answers.values())):
             self._last_tick = min(sent_at, ask.started_at)
             self._set_mode(Mode.OUTAGE, f"no master leader reachable by this node or its {len(answers)} peers: "

@@ -476,6 +476,7 @@ class Handler:
                 if isinstance(ep, int) and ep > self.agent.epoch:  # a peer announces a newer epoch
                     self.agent.note_epoch(ep)
                 pong["rt"] = self.agent.routing[0]  # the epoch whose ring it judges ownership by
+                pong["cu"] = self.agent.catch_up_to  # it serves only once it routes by this one
                 if meta.get("probe"):  # a peer's lease probe (gcache.server.vouch)
                     pong["lead"] = self.agent.leader_reachable()
             return pong

@@ -7,7 +7,9 @@ fresh connection, within one deadline.
 * ``announce_epoch``: ``{"ep": E}`` tells a peer that epoch E exists; a peer behind it refreshes
   its membership at once (instead of at its next heartbeat) and says which epoch it now routes
   by (``"rt"``: the newest whose ring it has built; it can know a newer one, ``"ep"``, whose
-  ring is still being built, and until then it judges ownership by the older ring).
+  ring is still being built, and until then it judges ownership by the older ring). A peer
+  that cannot reach the master leader serves nothing until it routes by E and says so
+  (``"cu"``: the epoch it must route by before it serves again).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dic
 def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> set[str]:
     """Tell ``peers`` that ``epoch`` exists; the ones that answered that they route by it."""
     replies = _ping_all(peers, {"ep": epoch}, token, timeout_s)
-    return {n for n, r in replies.items() if r is not None and isinstance(r.get("rt"), int) and r["rt"] >= epoch}
+    return {n for n, r in replies.items() if r is not None and any(
+        isinstance(r.get(f), int) and r[f] >= epoch for f in ("rt", "cu"))}
 
 
 class PeerAsk:

@@ -40,6 +40,7 @@ class LabConfig:
     fence_after_s: float = 1.0
     suspect_after_s: float = 1.2
     down_after_s: float = 2.0
+    outage_max_s: float = 30.0
     client_timeout_s: float = 0.5
     mem: str = "16MiB"
     start_timeout_s: float = 60.0
@@ -148,7 +149,8 @@ class Lab:
         p = self._spawn(d.name, d, ["-m", "gcache", "daemon", "--listen", self.data_address(d), "--node-id", d.name,
                                     "--mem", c.mem, "--no-pretouch", "--masters", self.master_url,
                                     "--token-file", self.token_file, "--ready-file", ready,
-                                    "--heartbeat", str(c.heartbeat_s), "--fence-after", str(c.fence_after_s)])
+                                    "--heartbeat", str(c.heartbeat_s), "--fence-after", str(c.fence_after_s),
+                                    "--outage-max", str(c.outage_max_s)])
         if wait:
             self._wait_ready([(p, ready)])
         return p, ready
