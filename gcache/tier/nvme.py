@@ -16,9 +16,15 @@ values it hides: they are in its own or an older segment.
 
 A failed write is rolled back: its bytes are not counted and, when it was the segment's last
 reservation, the file is truncated back so the next write reuses the place; no new segment
-file is made for it. A full filesystem lowers the budget to what was written, so from then on
-the oldest segments are recycled as when the budget is reached. A write past the process's
-file size limit seals its segment (if it holds data) and the next goes to a new one.
+file is made for it. Otherwise (a record was reserved after it) its header is overwritten with
+DEAD_MAGIC: a short write may have left a header that verifies, and a restart must not index a
+record that was never acknowledged (its key was not indexed, so a later delete wrote no
+tombstone for it). A full filesystem lowers the budget to what the tier's files take (records
+written, plus reclaimed segments whose files are not gone yet), and the segment size to a
+quarter of that if a segment no longer fits, so from then on the oldest segments are recycled
+as when the budget is reached; the only segment is recycled too (sealed, a new one started).
+A write past the process's file size limit seals its segment (if it holds data) and the next
+goes to a new one.
 
 On restart the index is rebuilt by scanning every segment (resynchronising past damage); for
 each key the highest sequence number wins, whatever segment or position it is in.
@@ -62,6 +68,8 @@ class Segment:
     sealed: bool = False  # no more appends (full, or a write failed after data)
     refs: int = 0  # readers and writers using fd right now
     doomed: bool = False  # reclaimed: close fd when refs drop to 0
+    closed: bool = False  # fd closed
+    unlinked: bool = False  # reclaimed and its file removed (or removing it failed)
     keys: set[Key] = field(default_factory=set)
 
 
@@ -109,7 +117,8 @@ class NvmeTier:
         self.corrupt = 0
         self.reclaimed_segments = 0
         self._lock = threading.Lock()
-        self._unlink_later: list[str] = []
+        self._unlink_later: list[Segment] = []
+        self._doomed_bytes = 0  # bytes of reclaimed segments whose files still take space
         self._last_seg_id = 0  # never reused: a reclaimed segment's file may not be removed yet
         self._last_error_log = 0.0
         self._errors_unlogged = 0
@@ -259,6 +268,15 @@ class NvmeTier:
                 return None, 0
         while self.used + total > self.budget and len(self.segments) > 1:
             self._reclaim(self.segments[0])
+        if self.used + total > self.budget and seg.size:
+            # The open segment alone leaves no room (a budget lowered by a full filesystem):
+            # it is the oldest data, so it is recycled too, and the record starts a new one.
+            seg.sealed = True
+            new = self._new_segment()
+            if new is None:
+                return None, 0
+            self._reclaim(seg)
+            seg = new
         if self.used + total > self.budget:
             return None, 0
         off = seg.size
@@ -270,47 +288,72 @@ class NvmeTier:
 
     def _write(self, p: Pending, parts: list[Any]) -> bool:
         seg = p.seg
-        too_big = False
+        too_big = full = False
+        written = -1  # unknown
         try:
             written = os.pwritev(seg.fd, parts, p.off)
             if written != p.total:  # a short write on a regular file: the disk or the file is full
                 too_big = _over_file_limit(p.off + p.total)
+                full = not too_big
                 raise OSError(f"short write ({written} of {p.total} bytes)")
             ok = True
         except OSError as exc:
             ok = False
             too_big = too_big or exc.errno == errno.EFBIG
+            full = full or exc.errno in (errno.ENOSPC, errno.EDQUOT)
             self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
         with self._lock:
             if not ok:
                 self.write_errors += 1
-                self._roll_back(p, too_big)
+                self._roll_back(p, too_big, full, written)
             self._deref(seg)
         return ok
 
-    def _roll_back(self, p: Pending, too_big: bool) -> None:
-        """Lock held: un-count a failed write, and reuse its place if nothing was reserved after
-        it. A disk-full failure keeps the segment (the next write retries there: no new files);
-        one past the file size limit seals it, if it holds data, so writes go to a fresh one."""
+    def _roll_back(self, p: Pending, too_big: bool, full: bool, written: int) -> None:
+        """Lock held: un-count a failed write (``written`` bytes of it reached the file; -1:
+        unknown), and reuse its place if nothing was reserved after it, else kill its header. A
+        disk-full failure keeps the segment (the next write retries there: no new files) and
+        lowers the budget to what fits; one past the file size limit seals the segment, if it
+        holds data, so writes go to a fresh one."""
         seg = p.seg
         seg.used -= p.total
-        self.used -= p.total
-        if seg.doomed:
-            return
-        if seg.size == p.off + p.total:
+        if not seg.doomed:  # (reclaiming it took its reservations off self.used)
+            self.used -= p.total
+        gone = False
+        if seg.size == p.off + p.total and not seg.doomed:
             seg.size = p.off
             try:
                 os.ftruncate(seg.fd, p.off)  # give back what the partial write took
+                gone = True
             except OSError as exc:
                 self._log_error("cannot truncate %s: %s", seg.path, exc)
+        if not gone and written != 0:
+            # Its header may be on disk and verify (the value's unwritten tail reads as zeros): a
+            # restart would index a record that was never acknowledged, and that no tombstone
+            # hides (a delete of its key found nothing indexed). fd is open: we hold a reference.
+            try:
+                os.pwrite(seg.fd, R.DEAD_MAGIC, p.off)
+            except OSError as exc:
+                self._log_error("cannot invalidate a failed record in %s: %s", seg.path, exc)
+        if seg.doomed:
+            return
         if too_big and seg.size > 0:
             seg.sealed = True
-        elif not too_big and 0 < self.used < self.budget:
-            # The filesystem is smaller than the budget: use what fits, recycling the oldest
-            # segments from now on, as when the budget is reached.
-            log.warning("nvme: the filesystem of %s is full at %d bytes of records; the disk budget is lowered "
-                        "from %d to that until restart", self.directory, self.used, self.budget)
-            self.budget = self.used
+        elif full:
+            self._lower_budget()
+
+    def _lower_budget(self) -> None:
+        """Lock held: the filesystem is full: the budget becomes what the tier's files take now
+        (records, plus reclaimed segments whose space is not given back yet), and segments shrink
+        to a quarter of it if one no longer fits, so the oldest are recycled from now on."""
+        fits = self.used + self._doomed_bytes
+        if not 0 < fits < self.budget:
+            return
+        log.warning("nvme: the filesystem of %s is full at %d bytes (%d of them records); the disk budget is "
+                    "lowered from %d to that until restart", self.directory, fits, self.used, self.budget)
+        self.budget = fits
+        if self.budget < self.segment_bytes:
+            self.segment_bytes = max(self.budget // 4, 4096)
 
     def _invalidate(self, loc: Location) -> None:
         with self._lock:
@@ -368,27 +411,39 @@ class NvmeTier:
         self.segments.remove(seg)
         self.used -= seg.used
         self.reclaimed_segments += 1
-        self._unlink_later.append(seg.path)
+        self._unlink_later.append(seg)
+        self._doomed_bytes += seg.size
         seg.doomed = True
         if seg.refs == 0:
-            os.close(seg.fd)
+            self._close(seg)
 
     def sweep(self) -> None:
         """Remove the files of reclaimed segments (call without holding the store's lock)."""
         if not self._unlink_later:
             return
         with self._lock:
-            paths, self._unlink_later = self._unlink_later, []
-        for path in paths:
+            segs, self._unlink_later = self._unlink_later, []
+        for seg in segs:
             try:
-                os.unlink(path)
+                os.unlink(seg.path)
             except OSError as exc:
-                log.error("cannot remove segment %s: %s", path, exc)
+                log.error("cannot remove segment %s: %s", seg.path, exc)
+            with self._lock:
+                seg.unlinked = True
+                if seg.closed:
+                    self._doomed_bytes -= seg.size
+
+    def _close(self, seg: Segment) -> None:
+        """Lock held: close a doomed segment's fd (its space is given back once it is unlinked too)."""
+        os.close(seg.fd)
+        seg.closed = True
+        if seg.unlinked:
+            self._doomed_bytes -= seg.size
 
     def _deref(self, seg: Segment) -> None:
         seg.refs -= 1
         if seg.refs == 0 and seg.doomed:
-            os.close(seg.fd)
+            self._close(seg)
 
     def _unindex(self, key: Key) -> None:
         loc = self.index.pop(key, None)
