@@ -12,7 +12,8 @@ master ignores a request whose seq is not above the last one it took for that no
 (a replayed heartbeat cannot keep a dead node alive), and a daemon takes only the reply to the
 seq it sent (a replayed "ok" cannot unfence it). A request that fails authentication gets a short
 unauthenticated ``{"v", "error": "auth"}`` so a wrong token is reported rather than silently
-timing out. Replies are never larger than requests.
+timing out. A sealed request with bad fields is answered ``{"v", "error": "bad request"}``
+(sealed) when that is no larger than it. Replies are never larger than requests.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from typing import Any
 
 import msgpack
 
+from gcache.meta.fields import MAX_INT, heartbeat_error, int_error
+from gcache.ratelog import RateLimitedLog
+
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)  # what a peer can send at will must not flood the log
 
 VERSION = 1
 MAC_LEN = 16
@@ -94,18 +99,24 @@ class BeatListener:
             except OSError:
                 return
             try:
-                reply = self._answer(data)
+                reply = self._answer(data, addr)
                 if reply is not None:
                     self.sock.sendto(reply, addr)
-            except Exception:  # one bad datagram must not stop heartbeats
-                log.exception("heartbeat from %s", addr)
+            except Exception:  # noqa: BLE001 - one bad datagram must not stop heartbeats
+                limited.log(logging.ERROR, "failed", "heartbeat from %s failed", addr, exc_info=True)
 
-    def _answer(self, data: bytes) -> bytes | None:
+    def _answer(self, data: bytes, addr: Any = None) -> bytes | None:
         req = unseal(self.key, data)
         if req is None:
             self.refused += 1
             return AUTH_ERROR
-        node, inc, seq = str(req["node"]), int(req["inc"]), int(req["seq"])
+        err = heartbeat_error(req) or int_error(req, "seq", 0, MAX_INT)
+        if err is not None:  # sealed, so sent by a holder of the token: a bug, or another version
+            self.refused += 1
+            limited.warning("bad", "refused a heartbeat from %s: %s", addr, err)
+            reply = seal(self.key, {"v": VERSION, "error": "bad request"})
+            return reply if len(reply) <= len(data) else None
+        node, inc, seq = req["node"], req["inc"], req["seq"]
         last = self._last.get(node)
         if last is not None and last[0] == inc and seq <= last[1]:
             return None  # a replay (or a duplicate): not evidence of life

@@ -135,10 +135,25 @@ class Core:
                 return {"epoch": epoch, "closed": False}
         return None
 
+    def _unknown_node(self, cmd: dict[str, Any]) -> str | None:
+        """A drain of a node the table does not hold is refused here, without a Raft entry, when
+        this master leads and has applied all that was committed before (then no caller can know
+        of the node); elsewhere it is proposed and refused when applied. Before, every refused
+        drain added an entry to the Raft log of every master, names of any size included."""
+        if cmd.get("op") != "drain" or not self.raft.applied_all_committed:
+            return None
+        with self.lock:
+            known = cmd["node"] in self.table.nodes
+        return None if known else f"unknown node {cmd['node']!r}"
+
     def _propose(self, req_id: int, cmd: dict[str, Any], timeout_s: float) -> None:
         stale = self._stale_report(cmd)
         if stale is not None:
             self.send(("reply", req_id, True, stale))
+            return
+        refused = self._unknown_node(cmd)
+        if refused is not None:
+            self.send(("reply", req_id, False, ("refused", refused)))
             return
         if cmd.get("op") == "handover_done":
             with self._reports_cv:

@@ -32,6 +32,7 @@ from gcache.errors import ConfigError
 from gcache.meta import rpc
 from gcache.meta.core import core_main
 from gcache.meta.feed import FanOut, MembershipFeed
+from gcache.meta.fields import MAX_INT, cut, flag_error, heartbeat_error, int_error, node_error
 from gcache.meta.frontstats import FrontStats
 from gcache.net.address import split_host_port
 
@@ -52,24 +53,24 @@ def lower_own_priority(by: int) -> None:
             pass
 
 
-MAX_NODE_ID = 255  # characters
 MAX_CAPACITY = 1 << 60  # bytes a node may declare (RAM + disk)
-MAX_INT = 1 << 63
+MAX_ADDRESS = 262  # characters of HOST:PORT: a 253-character DNS name, or a bracketed IPv6 address
 
 
 def register_error(req: dict[str, Any]) -> str | None:
     """What is wrong with a Register request (None: nothing): every field ends up in the
     membership that every client and daemon routes by."""
-    node, address, capacity = req.get("node"), req.get("address"), req.get("capacity")
-    if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_ID:
-        return f"'node' must be a string of 1..{MAX_NODE_ID} characters"
-    if not isinstance(address, str):
-        return "'address' must be a HOST:PORT string"
+    address, capacity = req.get("address"), req.get("capacity")
+    err = node_error(req.get("node"))
+    if err is not None:
+        return err
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS:
+        return f"'address' must be a HOST:PORT string of at most {MAX_ADDRESS} characters"
     try:
         if split_host_port(address, "'address'")[1] == 0:
             raise ValueError(f"'address' {address!r}: port 0 cannot be reached")
     except ValueError as exc:
-        return str(exc)
+        return cut(str(exc))
     if type(capacity) is not int or not 0 < capacity <= MAX_CAPACITY:
         return f"'capacity' must be an int of bytes in 1..{MAX_CAPACITY}"
     return None
@@ -246,7 +247,7 @@ class Master:
             return result
         kind, message = value
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION if kind == "refused"
-                            else grpc.StatusCode.UNAVAILABLE, message)
+                            else grpc.StatusCode.UNAVAILABLE, cut(str(message)))
         raise AssertionError("unreachable")
 
     async def register(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
@@ -262,7 +263,10 @@ class Master:
 
     async def heartbeat(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         """The RPC path (daemons use UDP, gcache.meta.beat); answered by the core."""
-        req = {"node": str(req["node"]), "inc": int(req["inc"])}
+        err = heartbeat_error(req)
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat: {err}")
+        req = {"node": req["node"], "inc": req["inc"]}
         try:
             _ok, value = await self._ask("heartbeat", req, timeout_s=2.0)
         except (CoreGone, TimeoutError):
@@ -280,9 +284,10 @@ class Master:
         "unchanged": true}``, and one a few epochs behind a delta: after a master fails, thousands
         re-attach at once. Liveness: HTTP/2 keepalive."""
         started = time.perf_counter()
-        known = req.get("known", -1)
-        if not isinstance(known, int):
-            known = -1
+        err = int_error(req, "known", -1, MAX_INT, required=False)
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WatchMembership: {err}")
+        known: int = req.get("known", -1)
         self.feed.watchers += 1
         try:
             snap = self.feed.current
@@ -304,23 +309,29 @@ class Master:
             self.feed.watchers -= 1
 
     async def drain(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
-        out = await self._propose({"op": "drain", "node": str(req["node"])}, context)
+        """A node to drain: one that this master does not know is refused by the core before it
+        is proposed when it can tell (gcache.meta.core), else when the command is applied."""
+        err = node_error(req.get("node"))
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Drain: {err}")
+        out = await self._propose({"op": "drain", "node": req["node"]}, context)
         log.info("draining %s (epoch %d)", req["node"], out["epoch"])
         return out
 
     async def handover_done(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
-        ep = req.get("epoch")
-        if not isinstance(req.get("node"), str) or type(ep) is not int or not 0 <= ep < MAX_INT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HandoverDone needs a 'node' string and an int 'epoch'")
-        return await self._propose({"op": "handover_done", "node": str(req["node"]), "epoch": int(req["epoch"])},
-                                   context)
+        err = node_error(req.get("node")) or int_error(req, "epoch", 0, MAX_INT)
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"HandoverDone needs a 'node' string and an int 'epoch': {err}")
+        return await self._propose({"op": "handover_done", "node": req["node"], "epoch": req["epoch"]}, context)
 
     async def rings(self, req: dict[str, Any], context: Any) -> dict[str, Any]:
         """The rings of generations after ``after`` (NodeTable.rings_after; None: not all held
         here): for a daemon that missed some changes of the ring."""
-        after = req.get("after")
-        if not isinstance(after, int):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Rings needs an int 'after'")
+        err = int_error(req, "after", -1, MAX_INT)
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Rings needs an int 'after': {err}")
+        after: int = req["after"]
         try:
             _ok, rings = await self._ask("rings", after, timeout_s=5.0)
         except (CoreGone, TimeoutError):
@@ -331,6 +342,9 @@ class Master:
         """This master's Raft view, the membership and heartbeat ages; with ``brief`` only the
         first (no per-node rows: cheap enough to poll during a failover); with ``front`` also this
         front's loop lag and new watches' first-message times since the last such call."""
+        err = flag_error(req, "brief") or flag_error(req, "front")
+        if err is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Status: {err}")
         brief = bool(req.get("brief")) or bool(req.get("front"))
         try:
             _ok, core = await self._ask("health" if brief else "status", timeout_s=5.0)

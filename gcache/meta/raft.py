@@ -111,6 +111,15 @@ class RaftGroup:
         return bool(self._obj._isLeader())
 
     @property
+    def applied_all_committed(self) -> bool:
+        """This member leads and has applied every entry committed before it led (pysyncobj's
+        no-op of its term is applied): its state machine then holds every command whose result
+        any proposer has had, so what it does not hold no caller can have been told of."""
+        obj = self._obj
+        noop = getattr(obj, "_SyncObj__noopIDx", None)  # private; without it this cannot tell
+        return bool(obj._isLeader()) and isinstance(noop, int) and obj.raftLastApplied >= noop
+
+    @property
     def leader(self) -> str | None:
         leader = self._obj._getLeader()
         return None if leader is None else str(leader.address if hasattr(leader, "address") else leader)
