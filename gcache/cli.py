@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from gcache import argtypes
 from gcache.errors import GCacheError
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (a static cluster; else $GCACHE_NODES)"
@@ -30,6 +31,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from gcache.cluster import LocalCluster
     from gcache.process import stop_on_signals
 
+    if args.nodes_count == 0 and not args.masters:
+        print("gcache up: --nodes must be >= 1 (0 only with --masters: a master group alone)", file=sys.stderr)
+        return 2
     cluster = LocalCluster(nodes=args.nodes_count, mem=args.mem, disk=args.disk_size if args.disk else None,
                            root=args.dir, masters=args.masters)
     stop = stop_on_signals()
@@ -146,10 +150,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
         mc.close()
 
 
+def _os_error(exc: OSError) -> str:
+    """One line for a failed file operation: 'PATH: reason'."""
+    reason = exc.strerror or str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename else reason
+
+
 def cmd_put(args: argparse.Namespace) -> int:
     if args.file:
-        with open(args.file, "rb") as f:
-            data = f.read()
+        try:
+            with open(args.file, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise SystemExit(f"gcache put: cannot read --file {_os_error(exc)}") from None
     else:
         data = (args.value or "").encode()
     with _client(args) as c:
@@ -158,15 +171,34 @@ def cmd_put(args: argparse.Namespace) -> int:
     return 0 if st.name == "OK" else 1
 
 
+def _writable_file_error(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (checked before fetching a value), or None."""
+    import os
+
+    if os.path.isdir(path):
+        return f"{path}: is a directory"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"{path}: directory {parent} does not exist"
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        return f"{path}: permission denied"
+    return None
+
+
 def cmd_get(args: argparse.Namespace) -> int:
+    if args.out and (err := _writable_file_error(args.out)):
+        raise SystemExit(f"gcache get: cannot write --out {err}")
     with _client(args) as c:
         value = c.get_one(args.key)
     if value is None:
         print("NOT_FOUND", file=sys.stderr)
         return 1
     if args.out:
-        with open(args.out, "wb") as f:
-            f.write(value)
+        try:
+            with open(args.out, "wb") as f:
+                f.write(value)
+        except OSError as exc:
+            raise SystemExit(f"gcache get: cannot write --out {_os_error(exc)}") from None
     else:
         sys.stdout.buffer.write(bytes(value) + b"\n")
     return 0
@@ -185,9 +217,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     with _client(args) as c:
         stats = c.stats()
+    failed = sorted(node for node, s in stats.items() if "error" in s)
+    code = 1 if failed else 0
+    if failed:
+        print(f"gcache stats: {len(failed)} of {len(stats)} nodes did not answer: {', '.join(failed)}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
+        return code
     print(f"{'node':<22} {'ram used':>10} {'ram keys':>9} {'disk used':>10} {'disk keys':>9} "
           f"{'hits ram':>9} {'hits disk':>9} {'misses':>8} {'evicted':>8}")
     for node, s in stats.items():
@@ -203,7 +240,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
         print()
         print(cluster_table(endpoints))
-    return 0
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,15 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="node id to drain (default with --config: its [daemon] node_id, else its listen address)")
     dr.add_argument("--masters", default=None, help=MASTERS_HELP)
     dr.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
-    dr.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many seconds")
+    dr.add_argument("--timeout", type=argtypes.seconds, default=600.0,
+                    help="give up waiting after this many seconds")
     dr.add_argument("--no-wait", action="store_true", help="return once the drain has started")
     dr.set_defaults(fn=cmd_drain)
 
     u = sub.add_parser("up", help="start a local cluster of daemons as real processes; Ctrl-C stops them")
-    u.add_argument("--nodes", dest="nodes_count", type=int, default=3, help="number of daemons (default %(default)s)")
-    u.add_argument("--mem", default="256MiB", help="RAM arena per daemon (default %(default)s)")
+    u.add_argument("--nodes", dest="nodes_count", type=argtypes.count_or_zero, default=3,
+                   help="number of daemons (default %(default)s; 0 only with --masters)")
+    u.add_argument("--mem", type=argtypes.size, default="256MiB",
+                   help="RAM arena per daemon (default %(default)s)")
     u.add_argument("--disk", action="store_true", help="give each daemon an NVMe tier under --dir")
-    u.add_argument("--disk-size", default="1GiB", help="NVMe budget per daemon with --disk (default %(default)s)")
+    u.add_argument("--disk-size", type=argtypes.size, default="1GiB",
+                   help="NVMe budget per daemon with --disk (default %(default)s)")
     u.add_argument("--dir", default=None, help="directory for daemon data and logs (default: a temporary one)")
     u.add_argument("--masters", type=int, default=0, choices=(0, 1, 3, 5),
                    help="also run a Raft master group of this size (daemons register with it)")
@@ -270,14 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--masters", default=None, help=MASTERS_HELP + "; routing follows its membership")
         s.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
         s.add_argument("--namespace", "-n", default="default", help="namespace (tenant/model; default %(default)s)")
-        s.add_argument("--timeout", type=float, default=2.0, help="call timeout in seconds (default %(default)s)")
+        s.add_argument("--timeout", type=argtypes.seconds, default=2.0,
+                       help="call timeout in seconds (default %(default)s)")
         return s
 
     s = data_cmd("put", "store one value")
     s.add_argument("key")
     s.add_argument("value", nargs="?", help="the value as text (or --file)")
     s.add_argument("--file", help="read the value from this file")
-    s.add_argument("--ttl", type=float, default=0.0, help="expire after this many seconds (0 = never)")
+    s.add_argument("--ttl", type=argtypes.seconds_or_zero, default=0.0,
+                   help="expire after this many seconds (0 = never)")
     s.set_defaults(fn=cmd_put)
     s = data_cmd("get", "read one value (to stdout or --out)")
     s.add_argument("key")
@@ -287,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("keys", nargs="+")
     s.set_defaults(fn=cmd_exists)
     s = data_cmd("stats", "per-node table of memory, disk, hits and evictions")
+    s.description = ("Per-node table of memory, disk, hits and evictions. Exit status: 0 when every node "
+                     "answered, 1 when any did not (unreachable, busy, refused; the table or JSON still shows "
+                     "the others, and stderr names the ones that failed).")
     s.add_argument("--json", action="store_true", help="print raw JSON")
     s.set_defaults(fn=cmd_stats)
 
@@ -306,12 +352,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _daemon_section_problems(doc: dict) -> list[tuple[str | None, str]]:
+    """What ``gcache daemon --config FILE`` would refuse in the file's [daemon] section: the
+    daemon's own check of its flags (gcache.daemon.settings) on the values the file gives them."""
+    from gcache import daemon
+    from gcache.ops import health
+    from gcache.ops.config import apply_defaults, defaults_for
+
+    p = argparse.ArgumentParser(prog="gcache daemon", exit_on_error=False)
+    daemon.add_arguments(p)
+    health.add_arguments(p, with_port=False)
+    apply_defaults(p, defaults_for(doc, "daemon"))
+    try:
+        daemon.settings(p.parse_args([]))
+    except daemon.FlagError as exc:
+        return [(exc.dest, exc.detail)]
+    except (argparse.ArgumentError, SystemExit) as exc:  # the file's checks let through what argparse refuses
+        return [(None, str(exc))]
+    return []
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     from gcache.ops.config import check
 
     bad = 0
     for path in args.files:
-        problems = check(path)
+        problems = check(path, {"daemon": _daemon_section_problems})
         for p in problems:
             print(p.format(path), file=sys.stderr)
         bad += len(problems)
@@ -345,4 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except GCacheError as exc:
         print(f"gcache {args.cmd}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file or directory that is not there, not allowed, not a file: one line
+        print(f"gcache {args.cmd}: {_os_error(exc)}", file=sys.stderr)
         return 1

@@ -10,7 +10,11 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
+from gcache import argtypes
 from gcache.client.handover import ClientPut
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
@@ -27,16 +31,20 @@ from gcache.tier.pools import PoolBudget
 from gcache.tier.store import Store, StoreConfig
 
 log = logging.getLogger("gcached")
+T = TypeVar("T")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:7400",
                    help="HOST:PORT for the data plane (port 0 picks a free one; default %(default)s)")
     p.add_argument("--node-id", default=None, help="stable node id (default: the listen address)")
-    p.add_argument("--mem", default="1GiB", help="RAM arena size, e.g. 512MiB, 4GiB (default %(default)s)")
+    p.add_argument("--mem", type=argtypes.size, default="1GiB",
+                   help="RAM arena size, e.g. 512MiB, 4GiB (default %(default)s)")
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
-    p.add_argument("--disk-size", default="10GiB", help="NVMe tier byte budget (default %(default)s)")
-    p.add_argument("--max-value", default="64MiB", help="largest value accepted (default %(default)s)")
+    p.add_argument("--disk-size", type=argtypes.size, default="10GiB",
+                   help="NVMe tier byte budget (default %(default)s)")
+    p.add_argument("--max-value", type=argtypes.size, default="64MiB",
+                   help="largest value accepted (default %(default)s)")
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")
@@ -53,70 +61,119 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(omit for a static cluster)")
     p.add_argument("--token-file", default=None,
                    help="cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN); required of clients when set")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default %(default)s)")
-    p.add_argument("--fence-after", type=float, default=2.0,
+    p.add_argument("--heartbeat", type=argtypes.seconds, default=1.0,
+                   help="seconds between heartbeats (default %(default)s)")
+    p.add_argument("--fence-after", type=argtypes.seconds, default=2.0,
                    help="refuse data requests (FENCED) after this long without an acknowledgement from the master "
                         "leader, unless every peer confirms a master outage; keep it + 0.6 below the masters' "
                         "--down-after (default %(default)s)")
-    p.add_argument("--outage-max", type=float, default=30.0,
+    p.add_argument("--outage-max", type=argtypes.seconds, default=30.0,
                    help="in a master outage its peers confirm, serve on under the last membership for at most "
                         "this long after the master leader last acknowledged this node, then fence; a node "
                         "joining while nodes are declared down waits up to this (+ --fence-after) for them "
                         "(default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
                         "the address is printed at start-up and written to READY_FILE.metrics")
     p.add_argument("--no-local", action="store_true",
                    help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
-    p.add_argument("--lease", type=float, default=5.0,
+    p.add_argument("--lease", type=argtypes.seconds, default=5.0,
                    help="seconds a local client may hold pinned or reserved slots (default %(default)s)")
     p.add_argument("--ucx", action="store_true",
                    help="also carry the data plane over UCX for clients that ask (Client(transport=Transport.UCX)); "
                         "set up over the TCP port, UCX picks its transports (UCX_TLS; tcp, shared memory, RDMA)")
-    p.add_argument("--max-connections", type=int, default=4096,
+    p.add_argument("--max-connections", type=argtypes.count, default=4096,
                    help="client connections (TCP and local) held at once; kept below ulimit -n. At the cap an "
                         "idle or unauthenticated connection makes room for a new one (default %(default)s)")
-    p.add_argument("--meta-budget", default="64MiB",
+    p.add_argument("--meta-budget", type=argtypes.size, default="64MiB",
                    help="request metadata (keys, sizes) all connections may hold at once (default %(default)s)")
-    p.add_argument("--frame-timeout", type=float, default=10.0,
+    p.add_argument("--frame-timeout", type=argtypes.seconds, default=10.0,
                    help="seconds a begun frame's header and metadata may take to arrive (default %(default)s)")
-    p.add_argument("--handshake-timeout", type=float, default=10.0,
+    p.add_argument("--handshake-timeout", type=argtypes.seconds, default=10.0,
                    help="seconds a connection may stay unauthenticated when a token is set (default %(default)s)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+    p.add_argument("--log-level", type=argtypes.log_level, default="INFO",
+                   help="logging level (default %(default)s)")
+
+
+class FlagError(ConfigError):
+    """A flag value the daemon refuses: ``dest`` is the flag's argparse destination (None when
+    no one flag is at fault), ``detail`` the reason without the flag's name."""
+
+    def __init__(self, dest: str | None, detail: str) -> None:
+        flag = f"--{dest.replace('_', '-')}" if dest else ""
+        super().__init__(detail if not flag or detail.startswith(flag) else f"{flag}: {detail}", dest)
+        self.dest, self.detail = dest, detail
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the daemon's flags say, checked: where to listen, the store's and the admission's sizing."""
+
+    host: str
+    port: int
+    store: StoreConfig
+    admission: AdmissionConfig
+
+
+# the fields of StoreConfig and AdmissionConfig that one flag sets (ConfigError.field -> dest)
+_FIELD_FLAGS = {"mem_bytes": "mem", "disk_bytes": "disk_size", "max_value_bytes": "max_value",
+                "max_connections": "max_connections", "meta_budget": "meta_budget",
+                "handshake_timeout_s": "handshake_timeout", "frame_timeout_s": "frame_timeout"}
+_DURATIONS = ("heartbeat", "fence_after", "outage_max", "lease", "frame_timeout", "handshake_timeout")
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """Check every flag as the daemon does before it touches the system (no file, socket or
+    memory yet) and build its configuration; FlagError naming the first flag at fault.
+
+    ``gcache config check`` runs this on a file's [daemon] section, so it refuses what the
+    daemon would refuse. Values from a config file did not pass argparse's types: the durations,
+    port and count are checked here again."""
+
+    def flag(dest: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except ValueError as exc:  # ConfigError is one
+            raise FlagError(dest, str(exc)) from None
+
+    host, port = flag("listen", lambda: split_host_port(args.listen, "--listen"))
+    for dest in _DURATIONS:
+        if err := argtypes.seconds_error(getattr(args, dest)):
+            raise FlagError(dest, err)
+    if args.metrics_port is not None and (err := argtypes.port_error(args.metrics_port)):
+        raise FlagError("metrics_port", err)
+    if err := argtypes.count_error(args.max_connections):
+        raise FlagError("max_connections", err)
+    mem = flag("mem", lambda: parse_size(args.mem))
+    disk_bytes = flag("disk_size", lambda: parse_size(args.disk_size)) if args.disk else 0
+    max_value = flag("max_value", lambda: parse_size(args.max_value))
+    meta_budget = flag("meta_budget", lambda: parse_size(args.meta_budget))
+    pools = flag("pool_budget", lambda: tuple(PoolBudget.parse(spec, mem) for spec in args.pool_budget))
+    eviction = flag("eviction", lambda: EvictionConfig.parse(args.eviction))
+    try:
+        store = StoreConfig(mem_bytes=mem, disk_dir=args.disk, disk_bytes=disk_bytes, max_value_bytes=max_value,
+                            pretouch=not args.no_pretouch, pool_budgets=pools, eviction=eviction)
+        admission = AdmissionConfig(
+            max_connections=args.max_connections,
+            fd_headroom=64 + (store.disk_bytes // store.segment_bytes + 1 if store.disk_dir else 0),
+            meta_budget=meta_budget, handshake_timeout_s=args.handshake_timeout, frame_timeout_s=args.frame_timeout)
+    except ConfigError as exc:
+        raise FlagError(_FIELD_FLAGS.get(exc.field or ""), str(exc)) from None
+    return Settings(host, port, store, admission)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gcached[%(process)d] %(levelname)s %(name)s: %(message)s")
     try:
-        try:
-            host, port = split_host_port(args.listen, "--listen")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        config = StoreConfig(
-            mem_bytes=parse_size(args.mem),
-            disk_dir=args.disk,
-            disk_bytes=parse_size(args.disk_size) if args.disk else 0,
-            max_value_bytes=parse_size(args.max_value),
-            pretouch=not args.no_pretouch,
-            pool_budgets=tuple(PoolBudget.parse(spec, parse_size(args.mem)) for spec in args.pool_budget),
-            eviction=EvictionConfig.parse(args.eviction),
-        )
+        s = settings(args)
+        host, port, config, admission = s.host, s.port, s.store, s.admission
         token = load_token(args.token_file)
-        admission = AdmissionConfig(
-            max_connections=args.max_connections,
-            fd_headroom=64 + (config.disk_bytes // config.segment_bytes + 1 if config.disk_dir else 0),
-            meta_budget=parse_size(args.meta_budget),
-            handshake_timeout_s=args.handshake_timeout,
-            frame_timeout_s=args.frame_timeout,
-        )
         store = Store(config)
         server = DataServer(store, host, port, node_id=args.node_id,
                             max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)
         agent = None
         if args.masters:
-            if not 0 < args.outage_max < float("inf"):
-                raise ConfigError(f"--outage-max must be a positive number of seconds, got {args.outage_max}")
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
                           config.mem_bytes + config.disk_bytes, store, token, ClientPut(token),
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after,
@@ -124,8 +181,6 @@ def run(args: argparse.Namespace) -> int:
             server.ctx.agent = agent  # the local server shares this context
         local = None
         if not args.no_local:
-            if args.lease <= 0:
-                raise ConfigError("--lease must be > 0 seconds")
             local = LocalServer(server.ctx, server.address, server.admission, args.lease)
         if args.ucx:
             from gcache.server import ucx_op

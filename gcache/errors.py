@@ -11,7 +11,13 @@ class GCacheError(Exception):
 
 
 class ConfigError(GCacheError, ValueError):
-    """A configuration value is invalid; the message says what to change."""
+    """A configuration value is invalid; the message says what to change. ``field``, when
+    given, names the setting at fault (a config dataclass's field), so a caller can point at
+    the flag or config-file key that set it."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ConnectionFailed(GCacheError, ConnectionError):

@@ -11,6 +11,7 @@ import resource
 import signal
 import sys
 
+from gcache import argtypes
 from gcache.errors import ConfigError
 from gcache.meta import rpc
 from gcache.meta.core import log_without_blocking
@@ -32,10 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", required=True,
                    help="comma-separated Raft HOST:PORT of every master (1, 3 or 5), this one included")
     p.add_argument("--token-file", default=None, help="file holding the cluster token (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)")
-    p.add_argument("--suspect-after", type=float, default=2.0, help="heartbeat silence before SUSPECT (s)")
-    p.add_argument("--down-after", type=float, default=3.0, help="heartbeat silence before DOWN (s)")
+    p.add_argument("--suspect-after", type=argtypes.seconds, default=2.0,
+                   help="heartbeat silence before SUSPECT (s)")
+    p.add_argument("--down-after", type=argtypes.seconds, default=3.0,
+                   help="heartbeat silence before DOWN (s)")
     p.add_argument("--ready-file", default=None, help="write the gRPC HOST:PORT here once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=argtypes.log_level, default="INFO",
+                   help="logging level (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

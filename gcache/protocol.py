@@ -32,6 +32,7 @@ must keep its sending side open until it has a write's answer (no half-close).
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from typing import Any
 
@@ -128,10 +129,35 @@ def decode_meta(raw: bytes | memoryview) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES)
     except Exception as exc:  # noqa: BLE001  (msgpack raises several unrelated types)
-        raise ValueError(f"undecodable metadata: {exc}") from None
+        raise ValueError(f"undecodable metadata: {_why_undecodable(exc)}") from None
     if not isinstance(meta, dict):
         raise ValueError(f"metadata must be a map, got {type(meta).__name__}")  # noqa: TRY004  (callers catch ValueError for every bad frame)
     return meta
+
+
+_LIMIT = re.compile(r"^(\d+) exceeds max_(map|array|str|bin|ext)_len\((\d+)\)$")
+_LIMIT_UNITS = {"map": "fields in one map", "array": "items in one array", "str": "bytes in one string",
+                "bin": "bytes in one byte string", "ext": "bytes of an ext type"}
+
+
+def _why_undecodable(exc: Exception) -> str:
+    """What was wrong with metadata msgpack refused, in words (several of its exceptions have
+    no message at all)."""
+    if isinstance(exc, msgpack.StackError):
+        return "nested too deep (more levels than msgpack decodes)"
+    if isinstance(exc, msgpack.ExtraData):
+        return f"{len(getattr(exc, 'extra', b''))} stray bytes after the msgpack map"
+    if isinstance(exc, msgpack.FormatError):
+        return "not msgpack (a byte that starts no msgpack value)"
+    text = str(exc)
+    if m := _LIMIT.match(text):
+        n, kind, limit = m.groups()
+        if kind == "ext":
+            return "ext types are not allowed"
+        return f"too large: {n} {_LIMIT_UNITS[kind]}, at most {limit}"
+    if "incomplete input" in text:
+        return "truncated msgpack (the metadata ends inside a value)"
+    return text or f"not msgpack ({type(exc).__name__})"
 
 
 _REQUEST_LIMITS: dict[str, Any] = {
@@ -159,7 +185,7 @@ def decode_request_meta(raw: bytes | memoryview, max_items: int | None = None) -
     try:
         meta = msgpack.unpackb(raw, **hooks)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise ValueError(f"undecodable or oversized metadata: {exc}") from None
+        raise ValueError(f"undecodable metadata: {_why_undecodable(exc)}") from None
     if not isinstance(meta, dict):
         raise ValueError(f"metadata must be a map, got {type(meta).__name__}")  # noqa: TRY004 - bad input
     return meta

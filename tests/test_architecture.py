@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "gcache"
 
 # Lowest first. A unit is a module or a package (all its modules).
 LAYERS: list[list[str]] = [
-    ["gcache", "gcache.errors", "gcache.protocol", "gcache.sizes", "gcache.ratelog", "gcache.process", "gcache.env",
+    ["gcache", "gcache.errors", "gcache.protocol", "gcache.sizes", "gcache.argtypes", "gcache.ratelog", "gcache.process", "gcache.env",
      "gcache.mooncake_trace"],
     ["gcache.net"],
     ["gcache.tier", "gcache.meta", "gcache.transport"],

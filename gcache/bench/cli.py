@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from gcache import argtypes
 from gcache.bench import (
     adapter,
     control_report,
@@ -37,11 +38,12 @@ def _throughput_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--sizes", default=None, help="value sizes (default 4KiB..16MiB; --quick: 64KiB,1MiB,4MiB)")
     b.add_argument("--batch", default=None, help="keys per batch, comma-separated (default 16)")
     b.add_argument("--threads", default=None, help="client thread counts (default 1,4; --quick: 1)")
-    b.add_argument("--procs", type=int, default=1,
+    b.add_argument("--procs", type=argtypes.count, default=1,
                    help="also measure gcache (tcp, local) with this many client processes at once, each "
                         "running --threads threads (default 1: no extra figures)")
     b.add_argument("--ops", default=None, help="put,get,exists (default all three; --quick: put,get)")
-    b.add_argument("--seconds", type=float, default=None, help="time per figure (default 1.0; --quick: 0.4)")
+    b.add_argument("--seconds", type=argtypes.seconds, default=None,
+                   help="time per figure (default 1.0; --quick: 0.4)")
     b.add_argument("--transport", default="tcp",
                    help="gcache transports: tcp,local,ucx; unavailable ones are skipped with the reason "
                         "(default %(default)s)")
@@ -59,8 +61,9 @@ def _throughput_args(b: argparse.ArgumentParser) -> None:
 def _hitrate_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL trace (default ../shared/data/conversation_trace.jsonl)")
-    h.add_argument("--limit", type=int, default=0, help="replay only the first N requests (0 = all)")
-    h.add_argument("--nodes", type=int, default=3, help="local daemons (default %(default)s)")
+    h.add_argument("--limit", type=argtypes.count_or_zero, default=0,
+                   help="replay only the first N requests (0 = all)")
+    h.add_argument("--nodes", type=argtypes.count, default=3, help="local daemons (default %(default)s)")
     h.add_argument("--page-bytes", default="4KiB",
                    help="bytes of one 512-token block's page, scaled down from the model (default %(default)s)")
     h.add_argument("--capacities", default="0.05,0.1,0.25,0.5,1.0",
@@ -88,10 +91,13 @@ def _embedding_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--nodes", default="1", help="local daemons to start (default %(default)s: one, on this host, "
                                                 "so the shared-memory path is there), or HOST:PORT,...")
     e.add_argument("--tokens", default="576,1152,2304", help="tokens per embedding (default %(default)s)")
-    e.add_argument("--hidden", type=int, default=4096, help="hidden size, bf16 values (default %(default)s)")
-    e.add_argument("--batch", type=int, default=4, help="embeddings per call (default %(default)s)")
-    e.add_argument("--runs", type=int, default=2, help="page runs each embedding is split into (default %(default)s)")
-    e.add_argument("--seconds", type=float, default=4.0,
+    e.add_argument("--hidden", type=argtypes.count, default=4096,
+                   help="hidden size, bf16 values (default %(default)s)")
+    e.add_argument("--batch", type=argtypes.count, default=4,
+                   help="embeddings per call (default %(default)s)")
+    e.add_argument("--runs", type=argtypes.count, default=2,
+                   help="page runs each embedding is split into (default %(default)s)")
+    e.add_argument("--seconds", type=argtypes.seconds, default=4.0,
                    help="time per figure, store and raw calls alternating (default %(default)s)")
     e.add_argument("--transport", default="local,tcp", help="local,tcp (default %(default)s)")
     e.add_argument("--ops", default="get,put", help="get,put (default %(default)s)")
@@ -102,15 +108,16 @@ def _embedding_args(e: argparse.ArgumentParser) -> None:
 
 def _soak_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--minutes", type=float, default=5.0, help="how long to run (default %(default)s)")
-    s.add_argument("--seconds", type=float, default=None, help="how long to run, in seconds (overrides --minutes)")
-    s.add_argument("--nodes", type=int, default=3, help="local daemons (default %(default)s)")
+    s.add_argument("--seconds", type=argtypes.seconds, default=None,
+                   help="how long to run, in seconds (overrides --minutes)")
+    s.add_argument("--nodes", type=argtypes.count, default=3, help="local daemons (default %(default)s)")
     s.add_argument("--mem", default="2MiB", help="RAM arena per daemon (default %(default)s: small, so values "
                                                  "are evicted and demoted all the time)")
     s.add_argument("--disk", default="32MiB", help="disk tier per daemon (default %(default)s)")
-    s.add_argument("--keys", type=int, default=2000, help="distinct keys (default %(default)s)")
-    s.add_argument("--threads", type=int, default=4,
+    s.add_argument("--keys", type=argtypes.count, default=2000, help="distinct keys (default %(default)s)")
+    s.add_argument("--threads", type=argtypes.count, default=4,
                    help="client threads, alternately TCP and local shared memory (default %(default)s)")
-    s.add_argument("--timeout", type=float, default=5.0,
+    s.add_argument("--timeout", type=argtypes.seconds, default=5.0,
                    help="client call timeout in seconds (default %(default)s; a small one, e.g. 0.02, makes "
                         "clients give up on requests the daemons are still serving)")
     s.add_argument("--no-kill", action="store_true", help="do not kill -9 and restart a daemon halfway")

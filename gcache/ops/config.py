@@ -26,11 +26,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from gcache.argtypes import LOG_LEVELS, seconds_error
 from gcache.errors import ConfigError
 from gcache.ops.tomlpos import key_lines, line_of, syntax_position
 
 CONFIG_ENV = "GCACHE_CONFIG"
-LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+LEVELS = LOG_LEVELS
 
 
 class Kind(enum.Enum):
@@ -38,7 +39,7 @@ class Kind(enum.Enum):
     PATH = "a path"
     INT = "an integer"
     PORT = "a port number (0-65535)"
-    SECONDS = "a number of seconds > 0"
+    SECONDS = "a finite number of seconds > 0"
     NUMBER = "a number"
     BOOL = "true or false"
     SIZE = "a size such as 512MiB or 4GiB"
@@ -136,7 +137,7 @@ def _type_error(kind: Kind, v: Any) -> str | None:
         Kind.STR: isinstance(v, str) and bool(v), Kind.PATH: isinstance(v, str) and bool(v),
         Kind.INT: isinstance(v, int) and not isinstance(v, bool),
         Kind.PORT: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 65535,
-        Kind.SECONDS: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+        Kind.SECONDS: seconds_error(v) is None,  # finite and > 0, as the flags (gcache.argtypes)
         Kind.NUMBER: isinstance(v, (int, float)) and not isinstance(v, bool),
         Kind.BOOL: isinstance(v, bool),
         Kind.STRS: isinstance(v, list) and all(isinstance(x, str) for x in v),
@@ -250,8 +251,15 @@ CHECKS: dict[str, Callable[[dict, dict], list[tuple[tuple, str]]]] = {
 }
 
 
-def check_text(text: str) -> tuple[dict, list[Problem]]:
-    """Parse and validate; returns the document and every problem found (syntax errors stop it)."""
+# A command's own check of its section: given the whole document, (argparse dest or None, problem)
+# for each value the command would refuse. ``gcache config check`` passes the daemon's (gcache.daemon,
+# a layer above this module), so the file is refused for what the daemon itself refuses.
+Validator = Callable[[dict], list[tuple[str | None, str]]]
+
+
+def check_text(text: str, validators: dict[str, Validator] | None = None) -> tuple[dict, list[Problem]]:
+    """Parse and validate; returns the document and every problem found (syntax errors stop it).
+    ``validators`` (section -> Validator) run on a section that has no problem of its own."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -277,8 +285,13 @@ def check_text(text: str) -> tuple[dict, list[Problem]]:
                 problems.append(((section, key), f"one of {', '.join(field.choices)}, got {value!r}"))
             else:
                 typed_ok[key] = value
+        found = len(problems)
         if section in CHECKS:
             problems += [((section, *p), m) for p, m in CHECKS[section](typed_ok, doc.get("cluster", {}))]
+        if validators and section in validators and len(problems) == found and len(typed_ok) == len(body):
+            keys = {(f.dest or k): k for k, f in SCHEMA[section].items()}
+            problems += [((section, keys[dest]) if dest in keys else (section,), msg)
+                         for dest, msg in validators[section](doc)]
     out = []
     for path, msg in problems:
         key = path[0] if len(path) == 1 else f"[{path[0]}] " + ".".join(
@@ -297,13 +310,13 @@ def _line(lines: dict[tuple, int], path: tuple) -> int:
     return line_of(lines, path)
 
 
-def check(path: str) -> list[Problem]:
+def check(path: str, validators: dict[str, Validator] | None = None) -> list[Problem]:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         return [Problem(0, 0, "", f"cannot read: {exc}")]
-    return check_text(text)[1]
+    return check_text(text, validators)[1]
 
 
 def load(path: str) -> dict:

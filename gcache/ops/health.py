@@ -21,13 +21,15 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from gcache import argtypes
+
 Check = tuple[bool, str]
 Probe = Callable[[], dict[str, Check]]
 
 
 def add_arguments(p: argparse.ArgumentParser, with_port: bool) -> None:
     if with_port:
-        p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+        p.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT",
                        help="serve /metrics, /healthz and /readyz on METRICS_HOST:PORT (0 picks a free port; "
                             "default off); the address is written to READY_FILE.metrics")
     p.add_argument("--metrics-host", default="127.0.0.1",

@@ -11,6 +11,8 @@ from typing import Any
 from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
+from gcache import argtypes
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--daemon", action="append", default=[], metavar="HOST:PORT", dest="daemons",
@@ -19,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a master's metrics address; repeatable")
     p.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS): ask each master")
     p.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds per probe (default %(default)s)")
+    p.add_argument("--timeout", type=argtypes.seconds, default=2.0,
+                   help="seconds per probe (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(daemon_metrics=None)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcache import protocol as P
+from gcache.argtypes import seconds_error
 from gcache.errors import ConfigError
 from gcache.net.wire import shutdown_quietly
 from gcache.ratelog import RateLimitedLog
@@ -51,13 +52,14 @@ class AdmissionConfig:
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
-            raise ConfigError("--max-connections must be >= 1")
+            raise ConfigError("--max-connections must be >= 1", "max_connections")
         if self.fd_headroom < 0:
             raise ConfigError("the descriptor headroom must be >= 0")
         if self.meta_budget < P.PRE_AUTH_META_BYTES:
-            raise ConfigError(f"--meta-budget must be at least {P.PRE_AUTH_META_BYTES} bytes")
-        if self.handshake_timeout_s <= 0 or self.frame_timeout_s <= 0:
-            raise ConfigError("--handshake-timeout and --frame-timeout must be > 0 seconds")
+            raise ConfigError(f"--meta-budget must be at least {P.PRE_AUTH_META_BYTES} bytes", "meta_budget")
+        for name, flag in (("handshake_timeout_s", "--handshake-timeout"), ("frame_timeout_s", "--frame-timeout")):
+            if err := seconds_error(getattr(self, name)):  # NaN passed a `<= 0` check, then broke every read
+                raise ConfigError(f"{flag} {err}", name)
 
 
 class ConnState:

@@ -201,6 +201,8 @@ class Handler:
             if payload_len > self.ctx.max_payload:
                 raise Refused(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {self.ctx.max_payload}", True)
             if not self.authed and payload_len:
+                if op == Op.HELLO:
+                    raise Refused(ErrorCode.BAD_META, f"HELLO carries no payload, got {payload_len} bytes", True)
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             meta = self.frames.read_meta(op, meta_len, self.authed)
             known = _OPS.get(op)
@@ -208,6 +210,8 @@ class Handler:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"unknown opcode {op}")
             op = known
             if op is Op.HELLO:
+                if payload_len:  # refused before it authenticates anything; the payload is drained
+                    raise Refused(ErrorCode.BAD_META, f"HELLO carries no payload, got {payload_len} bytes")
                 self._hello(meta)
                 self.reply(op, req_id, {"node": self.node_id, "v": P.VERSION})
                 return True

@@ -74,11 +74,12 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
-            raise ConfigError(f"mem_bytes={self.mem_bytes}: the RAM tier needs at least 4 KiB")
+            raise ConfigError(f"mem_bytes={self.mem_bytes}: the RAM tier needs at least 4 KiB", "mem_bytes")
         if self.disk_dir is not None and self.disk_bytes < 4096:
-            raise ConfigError(f"disk_bytes={self.disk_bytes}: give the NVMe tier at least 4 KiB, or no disk_dir")
+            raise ConfigError(f"disk_bytes={self.disk_bytes}: give the NVMe tier at least 4 KiB, or no disk_dir",
+                              "disk_bytes")
         if self.max_value_bytes < 1:
-            raise ConfigError("max_value_bytes must be >= 1")
+            raise ConfigError("max_value_bytes must be >= 1", "max_value_bytes")
         if self.full_wait_s < 0:
             raise ConfigError("full_wait_s must be >= 0")
         if not self.recency_bucket_s > 0:

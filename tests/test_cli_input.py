@@ -1,0 +1,198 @@
+"""Bad input to the gcache command and the daemon: refused with one clear line that names the
+problem and a non-zero exit, never a Python traceback; the daemon says what was wrong with a
+frame's metadata."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from gcache import cli
+from gcache import protocol as P
+from gcache.net.wire import recv_exact
+
+GCACHE = [sys.executable, "-m", "gcache"]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (connection refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gcache(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run ``gcache ARGV`` in this process as __main__ would: (exit code, stdout, stderr)."""
+    try:
+        code: int | str | None = cli.main(list(argv))
+    except SystemExit as exc:  # argparse errors, and SystemExit("message") as the interpreter prints it
+        code = exc.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):
+        err, code = err + code + "\n", 1
+    return int(code or 0), out, err
+
+
+def refused(capsys, *argv: str) -> str:
+    """The one-line error of a refused command (asserted: non-zero exit, no traceback)."""
+    code, _out, err = gcache(capsys, *argv)
+    assert code != 0, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["daemon", "--metrics-port", "99999"], "argument --metrics-port: expected a port number 0-65535, got 99999"),
+    (["daemon", "--log-level", "BOGUS"], "argument --log-level: expected a log level"),
+    (["daemon", "--frame-timeout", "nan"], "argument --frame-timeout: must be a finite number of seconds > 0"),
+    (["daemon", "--handshake-timeout", "-1"], "argument --handshake-timeout: must be a finite"),
+    (["daemon", "--heartbeat", "0"], "argument --heartbeat: must be a finite number of seconds > 0, got 0.0"),
+    (["daemon", "--fence-after", "inf"], "argument --fence-after: must be a finite number of seconds > 0, got inf"),
+    (["daemon", "--lease", "soon"], "argument --lease: expected a number of seconds, got 'soon'"),
+    (["daemon", "--max-connections", "0"], "argument --max-connections: expected a whole number >= 1"),
+    (["daemon", "--mem", "lots"], "argument --mem: cannot read size 'lots'"),
+    (["master", "--raft", "127.0.0.1:1", "--peers", "127.0.0.1:1", "--down-after", "nan"],
+     "argument --down-after: must be a finite"),
+    (["master", "--raft", "127.0.0.1:1", "--peers", "127.0.0.1:1", "--metrics-port", "-1"],
+     "argument --metrics-port: expected a port number"),
+    (["master", "--raft", "127.0.0.1:1", "--peers", "127.0.0.1:1", "--log-level", "loud"],
+     "argument --log-level: expected a log level"),
+    (["up", "--nodes", "-1"], "argument --nodes: expected a whole number >= 0, got -1"),
+    (["up", "--nodes", "0"], "gcache up: --nodes must be >= 1"),
+    (["up", "--mem", "plenty"], "argument --mem: cannot read size 'plenty'"),
+    (["put", "k", "v", "--ttl", "-5", "--nodes", "127.0.0.1:1"], "argument --ttl: must be a finite number of seconds >= 0"),
+    (["put", "k", "v", "--ttl", "nan", "--nodes", "127.0.0.1:1"], "argument --ttl: must be a finite"),
+    (["get", "k", "--timeout", "0", "--nodes", "127.0.0.1:1"], "argument --timeout: must be a finite"),
+    (["drain", "node0", "--timeout", "nan"], "argument --timeout: must be a finite"),
+    (["health", "--timeout", "-2"], "argument --timeout: must be a finite"),
+])
+def test_bad_numbers_are_refused_by_name(capsys, argv, says):
+    assert says in refused(capsys, *argv)
+
+
+def test_put_file_that_cannot_be_read(capsys, tmp_path):
+    nodes = f"127.0.0.1:{closed_port()}"  # never reached: the file is read first
+    missing = tmp_path / "absent"
+    assert refused(capsys, "put", "k", "--file", str(missing), "--nodes", nodes) == \
+        f"gcache put: cannot read --file {missing}: No such file or directory"
+    assert refused(capsys, "put", "k", "--file", str(tmp_path), "--nodes", nodes) == \
+        f"gcache put: cannot read --file {tmp_path}: Is a directory"
+
+
+def test_get_out_path_is_checked_before_fetching(capsys, tmp_path):
+    nodes = f"127.0.0.1:{closed_port()}"  # an unreachable node would say so: the path is checked first
+    bad = tmp_path / "no" / "dir" / "x"
+    assert refused(capsys, "get", "k", "--out", str(bad), "--nodes", nodes) == \
+        f"gcache get: cannot write --out {bad}: directory {bad.parent} does not exist"
+    assert refused(capsys, "get", "k", "--out", str(tmp_path), "--nodes", nodes).endswith("is a directory")
+
+
+def test_an_os_error_from_a_command_is_one_line(capsys, monkeypatch):
+    def fails(args):
+        raise PermissionError(13, "Permission denied", "/var/lib/gcache")
+
+    monkeypatch.setattr(cli, "cmd_exists", fails)
+    assert refused(capsys, "exists", "k", "--nodes", "127.0.0.1:1") == \
+        "gcache exists: /var/lib/gcache: Permission denied"
+
+
+def test_stats_exits_non_zero_when_a_node_does_not_answer(capsys):
+    down = f"127.0.0.1:{closed_port()}"
+    code, out, err = gcache(capsys, "stats", "--nodes", down, "--timeout", "1")
+    assert code == 1 and f"1 of 1 nodes did not answer: {down}" in err
+    assert "unreachable" in out  # the table still shows it
+    code, out, err = gcache(capsys, "stats", "--json", "--nodes", down, "--timeout", "1")
+    assert code == 1 and "error" in out and "did not answer" in err
+    assert "Exit status" in gcache(capsys, "stats", "--help")[1]
+
+
+def test_config_check_refuses_what_the_daemon_refuses(tmp_path):
+    files = {
+        "int_mem.toml": ("[daemon]\nmem = 5\n", ":2: [daemon] mem: mem_bytes=5: the RAM tier needs at least 4 KiB"),
+        "zero_mem.toml": ('[daemon]\nlisten = "127.0.0.1:0"\nmem = "0"\n', ":3: [daemon] mem: mem_bytes=0"),
+        "small_disk.toml": ('[daemon]\ndisk = "/d"\ndisk_size = "1KiB"\n', ":3: [daemon] disk_size: disk_bytes=1024"),
+        "no_max_value.toml": ("[daemon]\nmax_value = 0\n", ":2: [daemon] max_value: max_value_bytes must be >= 1"),
+        "inf_heartbeat.toml": ("[daemon]\nheartbeat = inf\n", ":2: [daemon] heartbeat: expected a finite number"),
+        "nan_master.toml": ("[master]\nsuspect_after = nan\n", ":2: [master] suspect_after: expected a finite"),
+    }
+    paths = []
+    for name, (text, _) in files.items():
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    p = subprocess.run([*GCACHE, "config", "check", *paths], capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    for name, (_, says) in files.items():
+        assert f"{tmp_path / name}{says}" in p.stderr, p.stderr
+    # the daemon refuses the first file with the same words
+    d = subprocess.run([*GCACHE, "daemon", "--config", paths[0]], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert d.returncode == 2 and "mem_bytes=5: the RAM tier needs at least 4 KiB" in d.stderr
+    assert "Traceback" not in d.stderr
+
+
+def test_a_real_process_prints_no_traceback(tmp_path):
+    """The same through `python -m gcache`, as an operator runs it."""
+    for argv, says in ((["put", "k", "--file", str(tmp_path), "--nodes", "127.0.0.1:1"], "Is a directory"),
+                       (["daemon", "--frame-timeout", "nan"], "--frame-timeout")):
+        p = subprocess.run([*GCACHE, *argv], capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode != 0 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+# -- the daemon's answers to bad metadata -----------------------------------------------------
+def frame(op, meta: bytes, payload=b"", req_id=1):
+    return struct.pack("<4sBBHQIQ", P.MAGIC, P.VERSION, op, 0, req_id, len(meta), len(payload)) + meta + payload
+
+
+def reply(sock):
+    hdr = bytearray(P.HEADER_SIZE)
+    recv_exact(sock, memoryview(hdr))
+    _v, _op, flags, req_id, meta_len, payload_len = P.unpack_header(hdr)
+    meta = bytearray(meta_len)
+    recv_exact(sock, memoryview(meta))
+    recv_exact(sock, memoryview(bytearray(payload_len)))
+    return flags, req_id, P.decode_meta(meta)
+
+
+def test_daemon_names_what_is_wrong_with_metadata_and_a_hello_payload(make_cluster, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    addr = make_cluster(nodes=1, mem="16MiB", extra_args=["--token-file", str(token), "--no-pretouch"]).addresses[0]
+    host, port = addr.rsplit(":", 1)
+    hello = msgpack.packb({"token": "t0ken"})
+    # before authenticating: a HELLO with a payload is refused for that, and the connection closed
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(frame(P.Op.HELLO, hello, b"junk"))
+        flags, _, meta = reply(s)
+        assert flags & P.FLAG_ERROR and meta["code"] == P.ErrorCode.BAD_META
+        assert meta["msg"] == "HELLO carries no payload, got 4 bytes"
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(frame(P.Op.HELLO, hello))
+        assert not reply(s)[0] & P.FLAG_ERROR
+        cases = [(b"\xc1\xc1", "not msgpack"), (b"\x91" * 3000 + b"\xc0", "nested too deep"),
+                 (msgpack.packb({str(i): i for i in range(100)}), "100 fields in one map, at most 64"),
+                 (msgpack.packb({}) + b"\x00\x00", "2 stray bytes after the msgpack map")]
+        for i, (raw, says) in enumerate(cases, 2):
+            s.sendall(frame(P.Op.GET, raw, req_id=i))
+            flags, req_id, meta = reply(s)
+            assert req_id == i and meta["code"] == P.ErrorCode.BAD_META
+            assert meta["msg"].startswith("undecodable metadata: ") and says in meta["msg"], meta["msg"]
+        # authenticated: a HELLO with a payload is refused, its payload drained, the connection kept
+        s.sendall(frame(P.Op.HELLO, hello, b"x" * 100, req_id=10) + frame(P.Op.PING, msgpack.packb({}), req_id=11))
+        flags, req_id, meta = reply(s)
+        assert req_id == 10 and meta["code"] == P.ErrorCode.BAD_META and "no payload" in meta["msg"]
+        flags, req_id, meta = reply(s)
+        assert req_id == 11 and not flags & P.FLAG_ERROR
+
+
+def test_argument_checks_accept_the_good_values():
+    from gcache import argtypes
+
+    assert argtypes.seconds("0.5") == 0.5 and argtypes.seconds_or_zero("0") == 0.0
+    assert argtypes.port("0") == 0 and argtypes.port("65535") == 65535
+    assert argtypes.count("1") == 1 and argtypes.count_or_zero("0") == 0
+    assert argtypes.size("512MiB") == "512MiB" and argtypes.log_level("debug") == "DEBUG"
