@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="request metadata (keys, sizes) all connections may hold at once (default %(default)s)")
     p.add_argument("--frame-timeout", type=float, default=10.0,
                    help="seconds a begun frame's header and metadata may take to arrive (default %(default)s)")
+    p.add_argument("--progress-timeout", type=float, default=AdmissionConfig().progress_timeout_s,
+                   help="seconds a request's payload may go without a byte arriving, or its reply without a byte "
+                        "leaving, before its connection is reset and what it holds (reserved or pinned values, "
+                        "its connection slot) is released; a slow but moving transfer is never cut "
+                        "(default %(default)s)")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a connection may stay unauthenticated when a token is set (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
@@ -104,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             meta_budget=parse_size(args.meta_budget),
             handshake_timeout_s=args.handshake_timeout,
             frame_timeout_s=args.frame_timeout,
+            progress_timeout_s=args.progress_timeout,
         )
         store = Store(config)
         server = DataServer(store, host, port, node_id=args.node_id,
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
             from gcache.ops.health import serve_daemon
             from gcache.server.metrics import RequestMetrics
 
-            metrics = RequestMetrics(store.stats)
+            ctx = server.ctx
+            metrics = RequestMetrics(lambda: {**store.stats(), **ctx.counters()})
             serve_daemon(metrics, server, store, agent, args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
             server.ctx.metrics = metrics
     except (ConfigError, OSError) as exc:
