@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="request metadata (keys, sizes) all connections may hold at once (default %(default)s)")
     p.add_argument("--frame-timeout", type=argtypes.seconds, default=10.0,
                    help="seconds a begun frame's header and metadata may take to arrive (default %(default)s)")
+    p.add_argument("--progress-timeout", type=argtypes.seconds, default=AdmissionConfig().progress_timeout_s,
+                   help="seconds a request's payload may go without a byte arriving, or its reply without a byte "
+                        "leaving, before its connection is reset and what it holds (reserved or pinned values, "
+                        "its connection slot) is released; a slow but moving transfer is never cut "
+                        "(default %(default)s)")
     p.add_argument("--handshake-timeout", type=argtypes.seconds, default=10.0,
                    help="seconds a connection may stay unauthenticated when a token is set (default %(default)s)")
     p.add_argument("--log-level", type=argtypes.log_level, default="INFO",
@@ -118,8 +123,10 @@ class Settings:
 # the fields of StoreConfig and AdmissionConfig that one flag sets (ConfigError.field -> dest)
 _FIELD_FLAGS = {"mem_bytes": "mem", "disk_bytes": "disk_size", "max_value_bytes": "max_value",
                 "max_connections": "max_connections", "meta_budget": "meta_budget",
-                "handshake_timeout_s": "handshake_timeout", "frame_timeout_s": "frame_timeout"}
-_DURATIONS = ("heartbeat", "fence_after", "outage_max", "lease", "frame_timeout", "handshake_timeout")
+                "handshake_timeout_s": "handshake_timeout", "frame_timeout_s": "frame_timeout",
+                "progress_timeout_s": "progress_timeout"}
+_DURATIONS = ("heartbeat", "fence_after", "outage_max", "lease", "frame_timeout", "handshake_timeout",
+              "progress_timeout")
 
 
 def settings(args: argparse.Namespace) -> Settings:
@@ -156,7 +163,8 @@ def settings(args: argparse.Namespace) -> Settings:
         admission = AdmissionConfig(
             max_connections=args.max_connections,
             fd_headroom=64 + (store.disk_bytes // store.segment_bytes + 1 if store.disk_dir else 0),
-            meta_budget=meta_budget, handshake_timeout_s=args.handshake_timeout, frame_timeout_s=args.frame_timeout)
+            meta_budget=meta_budget, handshake_timeout_s=args.handshake_timeout, frame_timeout_s=args.frame_timeout,
+            progress_timeout_s=args.progress_timeout)
     except ConfigError as exc:
         raise FlagError(_FIELD_FLAGS.get(exc.field or ""), str(exc)) from None
     return Settings(host, port, store, admission)
@@ -195,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
             from gcache.ops.health import serve_daemon
             from gcache.server.metrics import RequestMetrics
 
-            metrics = RequestMetrics(store.stats)
+            ctx = server.ctx
+            metrics = RequestMetrics(lambda: {**store.stats(), **ctx.counters()})
             serve_daemon(metrics, server, store, agent, args.metrics_port, getattr(args, "metrics_host", "127.0.0.1"))
             server.ctx.metrics = metrics
     except (ConfigError, OSError) as exc:

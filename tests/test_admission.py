@@ -74,6 +74,14 @@ def test_the_cap_stays_below_the_descriptor_limit():
         AdmissionConfig(max_connections=0)
 
 
+@pytest.mark.parametrize("field", ["handshake_timeout_s", "frame_timeout_s", "progress_timeout_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_timeouts_must_be_positive_finite_seconds(field, value):
+    with pytest.raises(ConfigError, match="a finite number of seconds > 0"):
+        AdmissionConfig(**{field: value})
+    assert getattr(AdmissionConfig(**{field: 0.25}), field) == 0.25
+
+
 def test_metadata_budget_waits_bounded_and_refuses_what_never_fits():
     b = MetaBudget(100)
     assert b.acquire(60, 0.1) and not b.acquire(60, 0.05)

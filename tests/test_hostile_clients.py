@@ -5,6 +5,7 @@ Memory is the daemon's own, read from /proc/PID/status (VmRSS now, VmHWM the pea
 
 import os
 import resource
+import select
 import socket
 import struct
 import subprocess
@@ -18,6 +19,7 @@ from gcache import Client, LocalPath, Status
 from gcache import protocol as P
 from gcache.cluster import LocalCluster
 from gcache.net.wire import recv_exact
+from gcache.server.metrics import scrape
 from tests.conftest import poll
 
 MiB = 1 << 20
@@ -272,3 +274,127 @@ def test_master_logs_refused_rpcs_rate_limited(tmp_path):
             log = f.read()
     refusals = [line for line in log.splitlines() if "refused" in line]
     assert 1 <= len(refusals) <= 10, f"{len(refusals)} refusal lines for 60 refused calls"
+
+
+# -- requests that stop moving: their payload never comes, or their reply is never read ---------
+def daemon_stats(addr):
+    s = connect(addr)
+    try:
+        s.sendall(frame(P.Op.STATS, {}))
+        return read_reply(s)[1]["stats"]
+    finally:
+        s.close()
+
+
+def put_ok(addr, key, nbytes):
+    with Client([addr], timeout_s=3, local=LocalPath.OFF) as c:
+        return c.put([key], [os.urandom(nbytes)]) == [Status.OK]
+
+
+def test_a_put_whose_payload_stops_gives_its_reservation_back_and_stores_nothing(make_cluster):
+    c = make_cluster(nodes=1, mem="64MiB", extra_args=["--progress-timeout", "1"])
+    addr = c.addresses[0]
+    socks = []
+    for i in range(3):  # 3 x 20 MiB declared in a 64 MiB arena, 64 KiB of each sent, then silence
+        s = connect(addr)
+        meta = msgpack.packb({"ns": "default", "keys": [b"stalled%d" % i], "sizes": [20 * MiB]}, use_bin_type=True)
+        s.sendall(header(P.Op.PUT, len(meta), 20 * MiB) + meta + os.urandom(64 << 10))
+        socks.append(s)
+    assert poll(lambda: daemon_stats(addr)["ram_used"] >= 60 * MiB, 5), "the stalled puts reserved nothing"
+    # before: every other put was FULL for as long as the stalled connections stayed open
+    assert poll(lambda: put_ok(addr, b"good", 8 * MiB), 10), "the stalled reservations were never released"
+    assert all(poll(lambda s=s: closed_by_daemon(s), 5) for s in socks)
+    stats = daemon_stats(addr)
+    assert stats["requests_stalled"] == 3
+    assert stats["ram_used"] < 12 * MiB, "a stalled put's reservation is still held"
+    with Client([addr], timeout_s=3, local=LocalPath.OFF) as cl:  # no torn value was committed
+        assert cl.exists([b"stalled0", b"stalled1", b"stalled2"]) == [False] * 3
+    for s in socks:
+        s.close()
+
+
+def test_a_slow_but_moving_payload_is_not_cut(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--progress-timeout", "1"])
+    addr = c.addresses[0]
+    value = os.urandom(4 * MiB)
+    s = connect(addr)
+    meta = msgpack.packb({"ns": "default", "keys": [b"slow"], "sizes": [len(value)]}, use_bin_type=True)
+    s.sendall(header(P.Op.PUT, len(meta), len(value)) + meta)
+    t0 = time.monotonic()
+    for i in range(4):  # a byte moves every 0.5 s, 2 s in all: twice the progress timeout
+        s.sendall(value[i * MiB:(i + 1) * MiB])
+        if i < 3:
+            time.sleep(0.5)  # pacing a slow peer, not waiting for anything
+    flags, reply = read_reply(s)
+    assert time.monotonic() - t0 > 1.4
+    assert not flags & P.FLAG_ERROR and reply["st"] == [Status.OK], reply
+    s.close()
+    with Client([addr], timeout_s=3, local=LocalPath.OFF) as cl:
+        assert cl.get_one(b"slow") == value
+    assert daemon_stats(addr)["requests_stalled"] == 0
+
+
+def stats_reply(addr):
+    """What a STATS request on a new connection is answered: (error flag, metadata); None when
+    the connection fails."""
+    try:
+        s = connect(addr, timeout=2)
+        try:
+            s.sendall(frame(P.Op.STATS, {}))
+            flags, meta = read_reply(s)
+            return bool(flags & P.FLAG_ERROR), meta
+        finally:
+            s.close()
+    except OSError:
+        return None
+
+
+def test_stalled_requests_do_not_hold_the_connection_slots(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--max-connections", "8", "--progress-timeout", "2",
+                                                        "--metrics-port", "0"])
+    addr = c.addresses[0]
+    with open(c.daemons[0].ready_file + ".metrics") as f:  # written before the ready file
+        metrics = f.read().strip()
+    socks = []
+    for i in range(8):  # every slot in the middle of a put whose payload never comes
+        s = connect(addr)
+        meta = msgpack.packb({"ns": "default", "keys": [b"k%d" % i], "sizes": [MiB]}, use_bin_type=True)
+        s.sendall(header(P.Op.PUT, len(meta), MiB) + meta)
+        socks.append(s)
+    # all 8 are in the middle of their request (each reserved its value) before anyone else tries
+    assert poll(lambda: scrape(metrics)["gcache_ram_used_bytes"] >= 8 * MiB, 5)
+    got = stats_reply(addr)
+    assert got is not None and got[0] and got[1]["code"] == P.ErrorCode.BUSY, got
+    # before: a connection in the middle of a request was never shed nor timed out, so every
+    # newcomer (an operator's `gcache stats` too) was answered BUSY for as long as they stayed
+    assert poll(lambda: (got := stats_reply(addr)) is not None and not got[0], 10), "stalled requests kept the slots"
+    assert all(poll(lambda s=s: closed_by_daemon(s), 5) for s in socks)
+    assert stats_reply(addr)[1]["stats"]["requests_stalled"] == 8
+    assert scrape(metrics)["gcache_requests_stalled_total"] == 8
+    assert works(addr, local=LocalPath.OFF)
+    for s in socks:
+        s.close()
+
+
+def test_a_get_whose_reply_is_never_read_gives_its_pins_back(make_cluster):
+    c = make_cluster(nodes=1, mem="64MiB", extra_args=["--progress-timeout", "1"])
+    addr = c.addresses[0]
+    keys = [b"p%d" % i for i in range(14)]
+    with Client([addr], timeout_s=5, local=LocalPath.OFF) as cl:
+        assert cl.put(keys, [os.urandom(4 * MiB) for _ in keys]) == [Status.OK] * len(keys)
+    socks = []
+    for _ in range(2):  # each asks for all 56 MiB and never reads a byte of the reply
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        host, port = addr.rsplit(":", 1)
+        s.connect((host, int(port)))
+        s.sendall(frame(P.Op.GET, {"ns": "default", "keys": keys}))
+        socks.append(s)
+    # each reply has begun (the daemon pins the hits before it sends a byte): the values are held
+    assert poll(lambda: select.select(socks, [], [], 0)[0] == socks, 5)
+    # before: the daemon waited in sendmsg forever with every value pinned, and a 16 MiB put
+    # found nothing it could evict (FULL) for as long as the readers stayed connected
+    assert poll(lambda: put_ok(addr, b"new", 16 * MiB), 10), "the unread replies' pins were never released"
+    assert poll(lambda: daemon_stats(addr)["requests_stalled"] == 2, 5)
+    for s in socks:
+        s.close()

@@ -6,8 +6,10 @@
 * **Shedding.** At the cap a newcomer takes the place of the connection that matters least:
   one that has not authenticated, else one that never completed a request, else the one idle
   the longest (a pooled client just reconnects). A connection in the middle of a request is
-  never shed. When none can go, the newcomer is answered BUSY and closed. So an operator's
-  ``gcache stats`` gets in while a flood of idle connections holds every slot.
+  never shed: it is closed by its own handler instead once its payload or reply has not moved
+  for ``progress_timeout_s`` (gcache.server.handler), so a flood of requests that stall cannot
+  hold the slots for longer than that. When none can go, the newcomer is answered BUSY and
+  closed. So an operator's ``gcache stats`` gets in while a flood holds every slot.
 * **Out of descriptors anyway** (EMFILE/ENFILE: the limit dropped, or files took them): a spare
   descriptor kept for this moment is released to accept the newcomer, the cap shrinks to what
   fits for a while, and the accept loop backs off instead of spinning on accept().
@@ -38,6 +40,7 @@ limited = RateLimitedLog(log)
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 LISTENER_GONE = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)
 LEARNED_CAP_S = 30.0  # how long a cap learned from EMFILE holds
+MAX_TIMEOUT_S = 86400.0  # the longest a timeout may be set to (a socket timeout must fit a timeval)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class AdmissionConfig:
     meta_budget: int = 64 << 20  # metadata bytes of all requests being read or served at once
     handshake_timeout_s: float = 10.0  # an unauthenticated connection must send its HELLO within this
     frame_timeout_s: float = 10.0  # a frame's header and metadata must arrive within this once begun
+    # a request's payload may go this long without a byte arriving, its reply without a byte leaving
+    progress_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
@@ -57,9 +62,13 @@ class AdmissionConfig:
             raise ConfigError("the descriptor headroom must be >= 0")
         if self.meta_budget < P.PRE_AUTH_META_BYTES:
             raise ConfigError(f"--meta-budget must be at least {P.PRE_AUTH_META_BYTES} bytes", "meta_budget")
-        for name, flag in (("handshake_timeout_s", "--handshake-timeout"), ("frame_timeout_s", "--frame-timeout")):
-            if err := seconds_error(getattr(self, name)):  # NaN passed a `<= 0` check, then broke every read
+        for name, flag in (("handshake_timeout_s", "--handshake-timeout"), ("frame_timeout_s", "--frame-timeout"),
+                           ("progress_timeout_s", "--progress-timeout")):
+            value = getattr(self, name)
+            if err := seconds_error(value):  # NaN passed a `<= 0` check, then broke every read
                 raise ConfigError(f"{flag} {err}", name)
+            if value > MAX_TIMEOUT_S:  # a socket timeout must fit a timeval
+                raise ConfigError(f"{flag} must be at most {MAX_TIMEOUT_S:g} seconds, got {value!r}", name)
 
 
 class ConnState:

@@ -5,6 +5,18 @@ request the daemon refuses (bad metadata, unknown opcode) is answered with an ER
 its payload is drained, keeping the connection usable. A frame that cannot be trusted (bad
 magic, wrong version, oversized lengths) is answered and the connection is closed. Either way
 only this connection is affected.
+
+A request holds what it is served with until its payload is in and its reply is out: a PUT its
+arena reservations, a GET the pins of its hits, both a connection slot that admission does not
+shed. So on a socket neither may stop moving: when no byte of a request's payload arrives, or
+no byte of its reply can be sent, for ``progress_timeout_s``, the connection is reset and all
+of it is given back; a value not wholly received is never committed. SO_RCVTIMEO (set while a
+payload is read) fails a receive that got no byte for that long; SO_SNDTIMEO (always set) is
+the kernel's budget for one send call, which returns what it moved when the budget runs out,
+so the send after the last byte moved fails one to two timeouts later. Either bounds one
+blocked call, not the transfer: a slow but live peer moves a value of any size.
+``requests_stalled`` in the daemon's stats counts such connections. (Other streams, UCX's and
+in-memory ones, carry no such bound.)
 """
 
 from __future__ import annotations
@@ -12,6 +24,9 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import socket
+import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +58,13 @@ _MAX_KEY = P.MAX_KEY_BYTES
 _OPS = {int(o): o for o in Op}  # a dict lookup per request, not an Enum call
 JOIN_WAIT_S = 1.0  # a request that arrives while the daemon (re)registers waits this long for it
 PUT_CHUNK_BYTES = 1 << 20  # a PUT's values are reserved and received in chunks of about this much
+NO_TIMEOUT = struct.pack("ll", 0, 0)  # SO_RCVTIMEO / SO_SNDTIMEO off
+
+
+def timeval(seconds: float) -> bytes:
+    """``seconds`` as the struct timeval of SO_RCVTIMEO / SO_SNDTIMEO (at least 1 us: 0 means none)."""
+    usec = max(1, round(seconds * 1e6))
+    return struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
 
 
 def _refuse(_key: tuple[str, bytes]) -> bool:
@@ -120,10 +142,20 @@ class ServerContext:
     agent: Agent | None = None
     metrics: RequestMetrics | None = None
     ops: dict[Op, OpFn] = field(default_factory=dict)
+    stalled: int = 0  # connections closed because a request's payload or reply stopped moving
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.budget is None:
             self.budget = MetaBudget(self.config.meta_budget)
+
+    def count_stall(self) -> None:
+        with self._lock:
+            self.stalled += 1
+
+    def counters(self) -> dict[str, int]:
+        """The connection handlers' counters, for the daemon's stats and metrics."""
+        return {"requests_stalled": self.stalled}
 
 
 class Handler:
@@ -131,8 +163,15 @@ class Handler:
 
     def __init__(self, stream: Stream, ctx: ServerContext, state: ConnState | None = None,
                  authed: bool = False) -> None:
+        self._sock: socket.socket | None = None  # the socket under a SocketStream (progress bounds)
+        self._ahead: ReadAheadStream | None = None
         if isinstance(stream, SocketStream):  # a frame's header and metadata in one receive
-            stream = ReadAheadStream(stream)
+            self._sock = stream.sock
+            stream = self._ahead = ReadAheadStream(stream)
+            self._progress = timeval(ctx.config.progress_timeout_s)
+            # a reply that cannot move for this long fails its send (the socket is blocking once
+            # authenticated; before that its timeout bounds every wait)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._progress)
         self.stream = stream
         self.ctx = ctx
         self.store = ctx.store
@@ -190,6 +229,7 @@ class Handler:
         req_id = 0
         payload_len = 0
         consumed = 0
+        armed: socket.socket | None = None  # receives time out after progress_timeout_s without a byte
         t0 = time.perf_counter()
         try:
             try:
@@ -204,6 +244,11 @@ class Handler:
                 if op == Op.HELLO:
                     raise Refused(ErrorCode.BAD_META, f"HELLO carries no payload, got {payload_len} bytes", True)
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
+            if payload_len and self._sock is not None:
+                assert self._ahead is not None
+                if meta_len + payload_len > self._ahead.buffered:  # not all in yet: it may stall
+                    armed = self._sock
+                    armed.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._progress)
             meta = self.frames.read_meta(op, meta_len, self.authed)
             known = _OPS.get(op)
             if known is None:
@@ -264,20 +309,37 @@ class Handler:
                 if not r.fatal:
                     drain(self.stream, payload_len - consumed, self._scratch)
                 self.reply(0, req_id, {"code": int(r.code), "msg": r.msg}, P.FLAG_ERROR)
-            except OSError:
-                return False
+            except OSError as exc:
+                return self._lost(exc, req_id)
             return not r.fatal
-        except OSError:
-            return False
+        except OSError as exc:
+            return self._lost(exc, req_id)
         except Exception as exc:  # noqa: BLE001  (a bug: answer, then drop this connection only)
             limited.error("internal", "internal error on request %d from %s", req_id, self._peer(), exc_info=True)
             try:
                 self.reply(0, req_id, {"code": int(ErrorCode.INTERNAL), "msg": f"internal error: {exc}"}, P.FLAG_ERROR)
-            except OSError:
-                pass
+            except OSError as exc2:
+                self._lost(exc2, req_id)
             return False
         finally:
             self.frames.done()
+            if armed is not None:
+                try:
+                    armed.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, NO_TIMEOUT)
+                except OSError:
+                    pass
+
+    def _lost(self, exc: OSError, req_id: int) -> bool:
+        """The connection failed mid-request; False (close it). A blocking receive or send of a
+        socket that gave up (EAGAIN: SO_RCVTIMEO / SO_SNDTIMEO) means its peer stopped moving
+        the payload or the reply: counted, and the connection reset (nothing left to deliver)."""
+        if isinstance(exc, BlockingIOError) and self._sock is not None:
+            self.ctx.count_stall()
+            limited.warning("stalled", "reset the connection of %s: request %d's payload or reply moved no byte for "
+                            "%gs (--progress-timeout); what it held is released (%d such so far)", self._peer(),
+                            req_id, self.ctx.config.progress_timeout_s, self.ctx.stalled)
+            self.stream.abort()
+        return False
 
     # -- membership ---------------------------------------------------------------------------
     def _hello(self, meta: dict[str, Any]) -> None:
@@ -486,6 +548,7 @@ class Handler:
             return pong
         if op is Op.STATS:
             stats: dict[str, Any] = dict(self.store.stats())
+            stats.update(self.ctx.counters())
             if self.agent is not None:
                 stats.update(self.agent.counters())
             if self.metrics is not None and self.metrics.address:

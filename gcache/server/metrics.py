@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # Latency buckets from 50 µs (a small exists) to 2.5 s (a batch of 16 MiB values on a busy box).
 BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# Store.stats() counter -> (metric name, help, labels)
+# Store.stats() (and ServerContext.counters()) counter -> (metric name, help, labels)
 STORE_COUNTERS = {
     "hits_ram": ("gcache_hits", "keys found, by tier", {"tier": "ram"}),
     "hits_nvme": ("gcache_hits", "keys found, by tier", {"tier": "nvme"}),
@@ -38,6 +38,8 @@ STORE_COUNTERS = {
     "demotion_drops": ("gcache_demotion_drops", "evicted values dropped: demotion queue full", {}),
     "promotions": ("gcache_promotions", "NVMe hits copied back into RAM", {}),
     "corrupt": ("gcache_corrupt", "NVMe reads that failed their checksum", {}),
+    "requests_stalled": ("gcache_requests_stalled",
+                         "connections reset: a request's payload or reply moved no byte for --progress-timeout", {}),
 }
 STORE_GAUGES = {
     "ram_capacity": ("gcache_ram_capacity_bytes", "RAM arena size"),
