@@ -143,16 +143,17 @@ class Client:
         current: RoutingView | None = getattr(self, "_view", None)
         if current is not None and membership.epoch < current.epoch:
             return
-        view = RoutingView.build(membership)
+        view = RoutingView.build(membership, allow_empty=current is not None)
         with self._lock:
             self._view = view
 
-    def refresh_membership(self) -> bool:
-        """Ask the masters for the membership now; True if it changed."""
+    def refresh_membership(self, deadline: float | None = None) -> bool:
+        """Ask the masters for the membership now (by ``deadline``, time.monotonic(), when
+        given); True if it changed."""
         if self._watcher is None:
             return False
         before = self._view.epoch
-        m = self._watcher.refresh()
+        m = self._watcher.refresh(deadline)
         if m is not None:
             self.update_membership(m)
         return self._view.epoch != before
@@ -190,9 +191,23 @@ class Client:
         if any(is_device_tensor(v) for v in values):
             return self.staging().put(self, keys, values, ttl_s=ttls, namespace=namespace, pool=pool, pos=pos_,
                                       tail=tail_, fmt=fmts)
+        kb = [k if type(k) is bytes else _key_bytes(k) for k in keys]
+        if len(set(kb)) != n:
+            # the same key more than once: the last value wins, as if written in order (the
+            # copies could go out in different requests, landing in any order)
+            last = {k: i for i, k in enumerate(kb)}
+            keep = sorted(last.values())
+
+            def pick(v: Any) -> Any:
+                return [v[i] for i in keep] if isinstance(v, list) else v
+
+            st = self.put([kb[i] for i in keep], [values[i] for i in keep], ttl_s=pick(ttls), namespace=namespace,
+                          pool=pool, pos=pick(pos_), tail=pick(tail_), fmt=pick(fmts), handover=handover)
+            got = dict(zip(keep, st))
+            return [got[last[k]] for k in kb]
         op = PutOp(namespace or self.namespace, [parts(v) for v in values],
                    {"ttl": ttls, "fmt": fmts, "pos": pos_, "tail": tail_}, pool, handover)
-        self._run(op, keys)
+        self._run(op, kb)
         return op.status
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,

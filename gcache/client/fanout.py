@@ -43,7 +43,7 @@ class Fanout:
     limit for refreshes that replies suggest)."""
 
     def __init__(self, pool: Pool, timeout_s: float, split_bytes: int, split_keys: int,
-                 view: Callable[[], RoutingView], refresh: Callable[[], bool], may_refresh: Callable[[], bool],
+                 view: Callable[[], RoutingView], refresh: Callable[[float], bool], may_refresh: Callable[[], bool],
                  local_min_bytes: int = 0) -> None:
         self.pool = pool
         self.local_min_bytes = local_min_bytes
@@ -68,11 +68,22 @@ class Fanout:
                     op.status[i] = Status.BAD_KEY
                 else:
                     which.append(i)
+        if not len(view.ring):  # nothing owns keys (every daemon declared down): unavailable
+            if self.may_refresh() and self.refresh(deadline):
+                view = self.view()
+            if not len(view.ring):
+                for i in which:
+                    op.status[i] = Status.UNAVAILABLE
+                failures.append(ConnectionFailed("cluster", f"no node owns keys in membership epoch {view.epoch} "
+                                                            "(every daemon is down or drained)"))
+                return failures
         seen = self._round(op, kbytes, which, view.ring, view.addr, view.epoch, False, failures, deadline, final)
+        # refreshes are bounded by the batch's deadline: a client cut off from the masters must
+        # not block a call for a master timeout per master
         if seen > view.epoch and self.may_refresh():
-            self.refresh()
+            self.refresh(deadline)
         retry = to_retry(op.status)
-        if retry and (self.view().epoch > view.epoch or self.refresh()):
+        if retry and (self.view().epoch > view.epoch or self.refresh(deadline)):
             view = self.view()
             self._round(op, kbytes, retry, view.ring, view.addr, view.epoch, False, failures, deadline, final)
         if op.fallback and view.prev_ring is not None and view.prev_addr:

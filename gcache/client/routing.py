@@ -43,12 +43,16 @@ class RoutingView:
         return self.membership.epoch
 
     @classmethod
-    def build(cls, membership: Membership) -> RoutingView:
+    def build(cls, membership: Membership, allow_empty: bool = False) -> RoutingView:
         """The rings of ``membership``, built with the parameters it carries (so this client
-        agrees with the daemons about every key's owner)."""
+        agrees with the daemons about every key's owner). With ``allow_empty`` a membership in
+        which nothing owns keys (every daemon declared down) is a view with an empty ring:
+        every key unavailable, instead of routing on by an older membership."""
         ring = membership.build_ring()
         if ring is None:
-            raise ConfigError(f"membership epoch {membership.epoch} has no node that owns keys")
+            if not allow_empty:
+                raise ConfigError(f"membership epoch {membership.epoch} has no node that owns keys")
+            ring = HashRing({}, membership.ring)
         addr = {nid: n.address for nid, n in membership.owners().items()}
         prev_ring = membership.build_previous_ring()
         prev_addr = None
@@ -83,6 +87,7 @@ class MembershipWatcher:
         self._held: dict[str, Any] | None = None  # that membership as the master sent it (deltas apply to it)
         self._first = threading.Event()
         self._stop = threading.Event()
+        self._failed: dict[str, str] = {}  # master -> why its last attempt failed, until one delivers
         self._call: Any = None
         self._standby_timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="gcache-watch", daemon=True)
@@ -107,9 +112,17 @@ class MembershipWatcher:
             nxt = order[i % len(order)]
             if self._attempt(address, nxt if self.standby and nxt != address else None):
                 backoff.reset()
+                self._failed.clear()
                 wait = random.uniform(0, REATTACH_SPREAD_S)
             else:
                 wait = backoff.next()
+                if self.attaches == 0 and len(self._failed) == len(order) and not self._first.is_set():
+                    # every master tried once and none delivered: a client being made learns
+                    # why now, not after its whole bootstrap timeout
+                    if self.error is None:
+                        self.error = ConfigError("no master answered: " + "; ".join(
+                            f"{a}: {why}" for a, why in sorted(self._failed.items())))
+                    self._first.set()
             if self._stop.wait(wait):
                 return
 
@@ -163,6 +176,10 @@ class MembershipWatcher:
                 self._first.set()
             elif not self._stop.is_set():
                 log.debug("watch on %s ended: %s", address, exc.code())
+            if not got:
+                self._failed[address] = (f"no membership within {self.attempt_timeout_s:g}s"
+                                         if exc.code() == grpc.StatusCode.CANCELLED else
+                                         f"{exc.code().name} {exc.details()}")
         except (GCacheError, ValueError, KeyError) as exc:
             log.warning("unusable membership from %s: %s", address, exc)
             self.known, self._held = -1, None  # the next attempt asks for the whole membership
@@ -183,10 +200,11 @@ class MembershipWatcher:
         timer.daemon = True
         timer.start()
 
-    def refresh(self) -> Membership | None:
-        """Fetch the membership now (None if no master answers)."""
+    def refresh(self, deadline: float | None = None) -> Membership | None:
+        """Fetch the membership now, by ``deadline`` (time.monotonic()) when given; None if no
+        master answers (in time)."""
         try:
-            return Membership.from_master(self.masters.membership())
+            return Membership.from_master(self.masters.membership(deadline))
         except GCacheError as exc:
             log.warning("membership refresh failed: %s", exc)
             return None

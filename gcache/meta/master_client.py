@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,15 +80,21 @@ class MasterClient:
         return make(path, request_serializer=rpc.pack, response_deserializer=rpc.unpack)
 
     def call(self, name: str, request: dict[str, Any], timeout_s: float | None = None,
-             accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+             accept: Callable[[dict[str, Any]], bool] | None = None, deadline: float | None = None) -> dict[str, Any]:
         """Call one master, trying the others when it is unreachable (or, with ``accept``, when
-        its answer is not acceptable)."""
+        its answer is not acceptable); ``timeout_s`` per master, and all of it by ``deadline``
+        (time.monotonic()) when given."""
         timeout = timeout_s or self.timeout_s
         errors = []
         n = len(self.addresses)
         for i in range(n):
             idx = (self._preferred + i) % n
             address = self.addresses[idx]
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    errors.append(f"{address}: not tried (out of time)")
+                    break
             try:
                 out: dict[str, Any] = self._method(address, name)(request, timeout=timeout, metadata=self._md())
                 if accept is not None and not accept(out):
@@ -163,8 +170,8 @@ class MasterClient:
         """The masters in a random order (each watcher starts somewhere else)."""
         return random.sample(self.addresses, len(self.addresses))
 
-    def membership(self) -> dict[str, Any]:
-        return self.call("GetMembership", {})
+    def membership(self, deadline: float | None = None) -> dict[str, Any]:
+        return self.call("GetMembership", {}, deadline=deadline)
 
     def membership_at_least(self, epoch: int, timeout_s: float | None = None) -> dict[str, Any] | None:
         """The membership from a master that has applied ``epoch`` (a master whose Raft core

@@ -1,0 +1,93 @@
+"""Client edges found by probes: the same key twice in one batch, a membership in which nothing
+owns keys, membership refreshes bounded by the call's deadline, a bootstrap no master answers."""
+
+import signal
+import socket
+import time
+
+import pytest
+
+from gcache import Client, LocalPath, OnNodeError, Status
+from gcache.cluster import LocalCluster
+from gcache.errors import ConfigError
+from gcache.meta.master_client import MasterClient
+from tests.conftest import poll, sigstop
+
+
+@pytest.mark.parametrize("local", [LocalPath.OFF, LocalPath.FORCE])
+def test_the_same_key_twice_in_one_put_keeps_the_last_value(make_cluster, local):
+    """Split into several requests (130 keys: 64 + 64 + 2), the two copies could land in any
+    order: the last one in the batch wins, every time (a probe: the inline local path kept the
+    first 39 times of 40)."""
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, local=local, local_min_bytes=1 << 30 if local is LocalPath.FORCE else 0) as cl:
+        for trial in range(10):
+            keys = ["dup", *(f"o{trial}-{i}" for i in range(128)), "dup"]
+            vals = [b"first-%d" % trial, *(b"x" * 100 for _ in range(128)), b"last-%d" % trial]
+            assert cl.put(keys, vals) == [Status.OK] * len(keys)
+            assert cl.get_one("dup") == b"last-%d" % trial
+        assert cl.put(["a", "a"], [b"1", b"2"], ttl_s=[0.0, 60.0], fmt=[1, 2]) == [Status.OK] * 2
+        got = cl.get_into(["a"], [bytearray(8)], with_meta=True)
+        assert got.sizes == [1] and got.meta[0].fmt == 2
+
+
+@pytest.fixture
+def mastered(tmp_path):
+    c = LocalCluster(nodes=1, mem="32MiB", masters=1, root=str(tmp_path / "c"),
+                     master_args=["--suspect-after", "0.5", "--down-after", "1.5"],
+                     extra_args=["--heartbeat", "0.2", "--fence-after", "0.6"]).start()
+    try:
+        yield c
+    finally:
+        for p in [*c.daemons, *c.master_procs]:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
+        c.stop()
+
+
+def test_a_membership_in_which_nothing_owns_keys_is_adopted_and_every_key_is_unavailable(mastered):
+    """Every daemon declared down: a client following the masters routes by that membership
+    (nothing owns keys: every key a miss), not on by the one before (before, it refused the
+    membership, kept routing to the declared-down daemons and backed off from the masters)."""
+    c = mastered
+    mc = MasterClient(c.master_url, c.token, timeout_s=2.0)
+    with Client(c.master_url, token=c.token, timeout_s=0.5, on_node_error=OnNodeError.MISS) as cl:
+        assert cl.put_one("k", b"v") is Status.OK
+        c.kill(0, signal.SIGSTOP)
+        assert poll(lambda: all(r["state"] == "down" for r in mc.membership()["nodes"]), 10)
+        epoch = mc.membership()["epoch"]
+        assert poll(lambda: cl._view.epoch >= epoch, 5)
+        t0 = time.monotonic()
+        assert cl.get(["k"]) == [None] and cl.put(["k"], [b"w"]) == [Status.UNAVAILABLE]
+        assert time.monotonic() - t0 < 0.5  # nothing to wait for: no owner
+        with pytest.raises(LookupError):
+            cl.owners(["k"])
+        c.daemons[0].proc.send_signal(signal.SIGCONT)  # it rejoins: the client routes again
+        assert poll(lambda: cl.put_one("k", b"w") is Status.OK, 10)
+        assert cl.get_one("k") == b"w"
+    mc.close()
+
+
+def test_a_membership_refresh_ends_by_the_deadline_it_is_given(mastered):
+    """A client cut off from the masters: a refresh a call makes is bounded by the call's
+    deadline, not one master timeout per master (a probe: 3 s calls with timeout_s=0.5)."""
+    c = mastered
+    with Client(c.master_url, token=c.token, timeout_s=0.5, connect_timeout_s=1.0) as cl:
+        sigstop(c.master_procs[0].pid)
+        t0 = time.monotonic()
+        assert cl.refresh_membership(time.monotonic() + 0.3) is False
+        assert time.monotonic() - t0 < 0.8
+
+
+def test_a_client_no_master_answers_fails_fast_and_says_why():
+    ports = []
+    for _ in range(3):  # ports nothing listens on
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+        s.close()
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        Client("gcache://" + ",".join(f"127.0.0.1:{p}" for p in ports), token="t", timeout_s=0.5)
+    assert time.monotonic() - t0 < 2.0
+    assert "no master answered" in str(err.value) and "UNAVAILABLE" in str(err.value)
