@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse data requests (FENCED) after this long without an acknowledgement from the master "
                         "leader, unless every peer confirms a master outage; keep it + 0.6 below the masters' "
                         "--down-after (default %(default)s)")
-    p.add_argument("--outage-max", type=argtypes.seconds, default=30.0,
+    p.add_argument("--outage-max", type=argtypes.seconds, default=15.0,
                    help="in a master outage its peers confirm, serve on under the last membership for at most "
                         "this long after the master leader last acknowledged this node, then fence; a node "
                         "joining while nodes are declared down waits up to this (+ --fence-after) for them "

@@ -290,3 +290,80 @@ def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(
         assert not stale, f"{len(stale)} keys served an older value than acknowledged"
         assert poll(lambda: drained not in states() and mc.membership()["transition"] is None, 20), \
             f"the drain did not complete: {states()}, transition {mc.membership()['transition']}"
+
+
+def _process_tree(pid):
+    import subprocess
+
+    kids = subprocess.run(["pgrep", "-P", str(pid)], check=False, capture_output=True, text=True).stdout.split()
+    return [pid, *(p for k in kids for p in _process_tree(int(k)))]
+
+
+def test_a_bogus_newer_epoch_fences_a_daemon_only_until_the_leader_answers(tmp_path):
+    """A peer (or client) names an epoch far ahead, then the master is out for a moment: the
+    daemon, unable to ask the leader, fences (it cannot tell the epoch is bogus); once the
+    leader answers with the real epoch it serves again (a probe: fenced for good, every put
+    to it refused while the masters listed it up)."""
+    import os
+    import time
+
+    from gcache.server.vouch import announce_epoch
+
+    extra = ["--heartbeat", "0.2", "--fence-after", "0.8"]
+    with cluster(tmp_path, extra_args=extra) as (cl, _mc, c):
+        d0 = cl.daemons[0]
+        mine = [k for k, o in zip([b"k%d" % i for i in range(200)], c.owners([b"k%d" % i for i in range(200)]))
+                if o == d0.node_id][:20]
+        assert all(s.name == "OK" for s in c.put(mine, [b"v"] * len(mine)))
+        assert announce_epoch({d0.node_id: d0.address}, 2**62, cl.token, 1.0) == set()  # it routes on
+        pids = [p for m in cl.master_procs for p in _process_tree(m.proc.pid)]
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            time.sleep(1.5)  # the master out for longer than fence-after (the scenario, not a wait)
+        finally:
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+        assert poll(lambda: all(s.name == "OK" for s in c.put(mine, [b"w"] * len(mine))), 10)
+        assert [bytes(v) for v in c.get(mine)] == [b"w"] * len(mine)
+
+
+def test_a_node_registering_does_not_wait_for_a_down_node_whose_port_refuses(tmp_path):
+    """A node declared down whose process is gone (its port refuses connections) cannot be
+    serving: a node joining after it serves at once, not after --outage-max (a probe: 26-29 s,
+    and it was declared down itself meanwhile for want of heartbeats)."""
+    import time
+
+    with cluster(tmp_path, nodes=3, extra_args=["--heartbeat", "0.2", "--fence-after", "0.8"],
+                 master_args=["--suspect-after", "0.6", "--down-after", "1.5"]) as (cl, mc, c):
+        cl.kill(2)
+        assert poll(lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}["node2"] == "down", 10)
+        t0 = time.monotonic()
+        joiner = cl.add_node().node_id
+        assert poll(lambda: any(r["id"] == joiner and r["state"] == "up" for r in mc.membership()["nodes"]), 10)
+        c.refresh_membership()
+        keys = [b"j%d" % i for i in range(200)]
+        theirs = [k for k, o in zip(keys, c.owners(keys)) if o == joiner]
+        assert theirs and poll(lambda: all(s.name == "OK" for s in c.put(theirs, [b"v"] * len(theirs))), 10)
+        assert time.monotonic() - t0 < 5.0
+        assert {r["id"]: r["inc"] for r in mc.membership()["nodes"]}[joiner] == 1  # never declared down
+
+
+def test_a_node_waiting_for_a_silent_down_node_keeps_heartbeating(tmp_path):
+    """A node declared down that neither answers nor refuses (stopped): a node joining waits
+    for it up to --outage-max + --fence-after, heartbeating meanwhile, so the masters do not
+    declare the joiner down too and churn the ring (a probe: two or three extra incarnations)."""
+    import time
+
+    with cluster(tmp_path, nodes=3, extra_args=["--heartbeat", "0.2", "--fence-after", "0.8", "--outage-max", "2"],
+                 master_args=["--suspect-after", "0.6", "--down-after", "1.5"]) as (cl, mc, c):
+        cl.daemons[2].proc.send_signal(signal.SIGSTOP)
+        assert poll(lambda: {r["id"]: r["state"] for r in mc.membership()["nodes"]}["node2"] == "down", 10)
+        t0 = time.monotonic()
+        joiner = cl.add_node().node_id
+        c.refresh_membership()
+        keys = [b"s%d" % i for i in range(200)]
+        assert poll(lambda: (mine := [k for k, o in zip(keys, c.owners(keys)) if o == joiner])
+                    and all(s.name == "OK" for s in c.put(mine, [b"v"] * len(mine))), 10)
+        assert time.monotonic() - t0 >= 1.0  # it did wait for node2
+        assert {r["id"]: (r["state"], r["inc"]) for r in mc.membership()["nodes"]}[joiner] == ("up", 1)

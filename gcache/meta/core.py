@@ -212,7 +212,8 @@ class Core:
         if rec is None or rec_inc != inc or state == "down":
             why = "unknown node" if rec is None else ("stale incarnation" if rec_inc != inc else "declared down")
             return {"ok": False, "reason": why, "epoch": epoch, "leader": leader}
-        self.detector.heard(node, inc)
+        if req.get("cut") is not True:  # a daemon that hears no leader serves nothing: not alive to us
+            self.detector.heard(node, inc)
         return {"ok": True, "epoch": epoch, "state": state, "handover_pending": pending, "leader": leader}
 
     def status(self) -> dict[str, Any]:

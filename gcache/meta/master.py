@@ -266,7 +266,7 @@ class Master:
         err = heartbeat_error(req)
         if err is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat: {err}")
-        req = {"node": req["node"], "inc": req["inc"]}
+        req = {"node": req["node"], "inc": req["inc"], "cut": req.get("cut") is True}
         try:
             _ok, value = await self._ask("heartbeat", req, timeout_s=2.0)
         except (CoreGone, TimeoutError):

@@ -52,7 +52,7 @@ WRITE_WAIT_S = 1.0  # a write waits at most this long for this node to catch up 
 class Agent:
     def __init__(self, masters: MasterClient, node_id: str, address: str, capacity: int, store: Store,
                  token: str | None, put: PutFn, heartbeat_s: float = 1.0, fence_after_s: float = 2.0,
-                 outage_max_s: float = 30.0) -> None:
+                 outage_max_s: float = 15.0) -> None:
         """``put`` carries handover copies to their new owners (gcache.server.handover).
         ``outage_max_s``: how long after the master leader last acknowledged it the daemon may go
         on serving in a master outage its peers confirm (gcache.server.lease)."""
@@ -258,6 +258,9 @@ class Agent:
             if membership is None:
                 raise GCacheError(f"no master answers the membership of epoch {out['epoch']} yet")
         self.inc = int(out["inc"])
+        with self._lock:  # epochs heard of before are moot: the leader just gave the newest
+            self._heard = -1
+            self._catch_up_to = min(self._catch_up_to, int(membership["epoch"]))
         self._apply_membership(membership, build_now=True)  # fenced until registered anyway
         with self._lock:  # copies pushed before this incarnation are not welcome (Handler)
             self.fresh_since = max(self.fresh_since, int(membership["epoch"]))
@@ -306,6 +309,7 @@ class Agent:
         previous owner that cannot be told cannot reach the leader either: it has fenced by
         then)."""
         deadline = time.monotonic() + self.fence_after_s if deadline is None else deadline
+        beat_at = time.monotonic() + self.heartbeat_s
         while prev and not self._stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -314,6 +318,14 @@ class Agent:
                 return
             for node in announce_epoch(prev, epoch, self.token, min(0.5, remaining)):
                 del prev[node]
+            if prev and time.monotonic() >= beat_at:
+                # a long wait (down nodes: up to outage-max) runs on the heartbeat thread: keep
+                # the masters hearing this incarnation, or they declare it down meanwhile
+                beat_at = time.monotonic() + self.heartbeat_s
+                try:
+                    self._master_round()
+                except GCacheError as exc:
+                    log.debug("heartbeat while waiting for %s: %s", what, exc)
             if prev:
                 self._stop.wait(min(0.02, max(0.0, deadline - time.monotonic())))
 
@@ -345,8 +357,13 @@ class Agent:
         # A lease counts from when its heartbeat was *sent*: an answer to a call made before the
         # process was stopped must not unfence it afterwards.
         sent_at = time.monotonic()
-        replies = self.masters.call_all("Heartbeat", {"node": self.node_id, "inc": self.inc, "epoch": self.epoch},
-                                        timeout_s=self.round_timeout_s)
+        beat: dict[str, Any] = {"node": self.node_id, "inc": self.inc, "epoch": self.epoch}
+        if self.mode in (Mode.CUT_OFF, Mode.OUTAGE):
+            # no leader answer reaches this node, so it serves nothing: a master that hears this
+            # heartbeat must not take it for a live node (cut one way, it would stay up and
+            # fenced for as long as the cut lasts, its keys unavailable instead of moved)
+            beat["cut"] = True
+        replies = self.masters.call_all("Heartbeat", beat, timeout_s=self.round_timeout_s)
         led = any(r.get("leader") for r in replies)
         with self._probe_lock:
             if sent_at > self._last_round[0]:
@@ -391,6 +408,13 @@ class Agent:
                 self._register()
                 return
             self._apply_membership(m)
+        with self._lock:
+            # the leader's epoch is the newest there is: a newer one a peer or client named (a bug,
+            # another master group) must not keep this node fenced for good
+            lead_epoch = int(lead["epoch"])
+            if self._heard > lead_epoch:
+                self._heard = -1
+            self._catch_up_to = min(self._catch_up_to, max(lead_epoch, self.epoch))
         if lapsed and self._registered.is_set():
             # fenced until it routes by the newest membership it has (_install_ring), fetched in
             # this round or by a catch-up fetch (note_epoch)

@@ -39,6 +39,8 @@ def _ping_all(peers: dict[str, str], meta: dict, token: str | None, timeout_s: f
             conn = open_connection(node, address, max(0.05, deadline - time.monotonic()), token)
             out[node] = conn.call(P.Op.PING, meta, deadline)
         except (GCacheError, OSError) as exc:
+            if any(isinstance(e, ConnectionRefusedError) for e in (exc, exc.__cause__, exc.__context__)):
+                out[node] = {"refused": True}  # nothing listens there: no process to serve anything
             log.debug("peer %s did not answer %s: %s", node, meta, exc)
         finally:
             if conn is not None:
@@ -61,10 +63,11 @@ def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dic
 
 
 def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> set[str]:
-    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they route by it."""
+    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they route by it (or
+    will serve nothing until they do), and those where nothing listens."""
     replies = _ping_all(peers, {"ep": epoch}, token, timeout_s)
-    return {n for n, r in replies.items() if r is not None and any(
-        isinstance(r.get(f), int) and r[f] >= epoch for f in ("rt", "cu"))}
+    return {n for n, r in replies.items() if r is not None and (r.get("refused") is True or any(
+        isinstance(r.get(f), int) and r[f] >= epoch for f in ("rt", "cu")))}
 
 
 class PeerAsk:

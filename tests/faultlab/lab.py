@@ -40,7 +40,7 @@ class LabConfig:
     fence_after_s: float = 1.0
     suspect_after_s: float = 1.2
     down_after_s: float = 2.0
-    outage_max_s: float = 30.0
+    outage_max_s: float = 15.0
     client_timeout_s: float = 0.5
     mem: str = "16MiB"
     start_timeout_s: float = 60.0

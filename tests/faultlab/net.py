@@ -116,6 +116,11 @@ class Net:
         self._rule(a, ["INPUT", "-s", ips, "-j", "DROP"])
         self._rule(a, ["OUTPUT", "-d", ips, "-j", "DROP"])
 
+    def deafen(self, a: Host, *others: Host) -> None:
+        """``a`` hears nothing from ``others``; they still hear ``a`` (UDP gets through, TCP does
+        not: its handshake needs both ways)."""
+        self._rule(a, ["INPUT", "-s", ",".join(o.ip for o in others), "-j", "DROP"])
+
     def cut_all(self, a: Host) -> None:
         """``a`` hears nobody and nobody hears ``a``."""
         self._rule(a, ["INPUT", "-i", "eth0", "-j", "DROP"])
