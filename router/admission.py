@@ -2,7 +2,7 @@
 priority queue until one frees up, or refuse with a reason.
 
 The decision itself is ``decide.plan`` (pure); this module adds the state I/O,
-the wait queues (one per length bucket) and encoder affinity. One asyncio task
+the wait queues (one per length bucket and model) and encoder affinity. One asyncio task
 pumps the queues at a time; the head is retried when a local lease is released
 and every ``poll_s`` (capacity may be freed by another replica).
 """
@@ -55,7 +55,9 @@ class Admission:
         self.policy = policy
         self.metrics = metrics
         self.buckets = BucketMap(cfg.buckets)
-        self.queues: dict[int, PendingQueue[_Waiter]] = {}
+        # one queue per (length bucket, model): the waiters of one queue want the same workers, so
+        # a head that finds them all full holds back nobody who could be served elsewhere
+        self.queues: dict[tuple[int, str | None], PendingQueue[_Waiter]] = {}
         self.poll_s = poll_s
         self._pump_lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
@@ -86,7 +88,7 @@ class Admission:
             self.metrics.rejected.labels("no_worker").inc()
             raise Rejected(503, "no_worker", f"no healthy worker can serve a prompt of ~{req.n_tokens} tokens",
                            retry_after=self.cfg.health_interval_s)
-        q = self.queues.setdefault(p.bucket, PendingQueue(self.cfg.queue))
+        q = self.queues.setdefault((p.bucket, req.model), PendingQueue(self.cfg.queue))
         if q.full():
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
@@ -124,13 +126,13 @@ class Admission:
         queues share one order: a worker without a bucket serves them all). A queue whose head
         finds every eligible worker full is passed over, its order kept, until the next pump."""
         async with self._pump_lock:
-            blocked: set[int] = set()
+            blocked: set[tuple[int, str | None]] = set()
             while True:
                 heads = [(key, b) for b, q in self.queues.items()
                          if b not in blocked and (key := q.head_key()) is not None]
                 if not heads:
                     break
-                bucket = min(heads)[1]
+                bucket = min(heads, key=lambda h: h[0])[1]  # (length bucket, model)
                 q = self.queues[bucket]
                 w = q.peek()
                 if w is None or w.fut.done():

@@ -221,6 +221,34 @@ def test_a_waiting_request_of_another_length_bucket_is_not_overtaken():
     asyncio.run(main())
 
 
+def test_a_request_whose_worker_is_free_is_not_held_behind_another_models_waiter():
+    """Model A's only worker is full and an A request waits; a B request, whose worker is idle,
+    in the same length bucket, is served at once (a probe: 503 after the whole max_wait)."""
+    async def main():
+        cfg = test_config(queue=QueueConfig(max_wait_s=3.0))
+        fa, fb = FakeWorker("wa"), FakeWorker("wb")
+        async with contextlib.AsyncExitStack() as st:
+            ua = await st.enter_async_context(serve_app(fa.app()))
+            ub = await st.enter_async_context(serve_app(fb.app()))
+            app = build_app(cfg, [WorkerSpec(ua, max_inflight=1, models=("A",)),
+                                  WorkerSpec(ub, max_inflight=4, models=("B",))])
+            url = await st.enter_async_context(serve_app(app))
+            s = await st.enter_async_context(aiohttp.ClientSession())
+            router = app[APP_KEY]
+            held = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": "A", "prompt": "x", "hold": True}))
+            await poll(lambda: fa.active == 1, what="A's slot taken")
+            waiting = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": "A", "prompt": "y"}))
+            await poll(lambda: router.admission.depth() == 1, what="an A request waits")
+            async with s.post(url + "/v1/completions", json={"model": "B", "prompt": "z"}) as r:
+                assert r.status == 200 and fb.served == 1
+            assert not waiting.done()
+            fa.gate.set()
+            for r in await asyncio.gather(held, waiting):
+                assert r.status == 200
+                r.release()
+    asyncio.run(main())
+
+
 def test_media_requests_stick_to_one_encoder():
     async def main():
         fakes = [FakeWorker(f"e{i}") for i in range(3)]
