@@ -129,16 +129,22 @@ def test_a_node_stopped_while_its_keys_moved_away_and_back_serves_none_of_its_ol
         assert c.stats()["node0"]["rings_missed"] > 0  # it knew it missed changes of the ring
 
 
+def put_to_disk(c):
+    """300 keys of 32 KiB (version V1), written until node0 has demoted its share to its disk."""
+    keys = [b"k%d" % i for i in range(300)]
+    for i in range(0, len(keys), 20):
+        c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
+    assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+    return keys
+
+
 def test_a_node_restarted_from_its_disk_after_its_keys_moved_away_and_back_keeps_none_of_them(tmp_path):
     """node0 is killed; node2 joins, takes writes and deletes of node0's keys and is drained;
     node0 restarts from its disk before it is declared down (the masters say it was still up).
     Before: it kept and served what it recovered (38 of 38 stale in the probe)."""
     with cluster(tmp_path, mem="4MiB", disk="64MiB",
                  master_args=["--suspect-after", "10", "--down-after", "20"]) as (cl, mc, c):
-        keys = [b"k%d" % i for i in range(300)]
-        for i in range(0, len(keys), 20):
-            c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
-        assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+        keys = put_to_disk(c)
         before = dict(zip(keys, c.owners(keys)))
         cl.kill(0)
         joiner = cl.add_node().node_id
@@ -158,10 +164,7 @@ def test_a_node_restarted_with_a_disk_its_last_incarnation_did_not_use_keeps_non
     84 in the probe)."""
     with cluster(tmp_path, mem="4MiB", disk="64MiB",
                  master_args=["--suspect-after", "10", "--down-after", "20"]) as (cl, _mc, c):
-        keys = [b"k%d" % i for i in range(300)]
-        for i in range(0, len(keys), 20):
-            c.put(keys[i:i + 20], [b"V1:" + k + b":" + bytes(32 << 10) for k in keys[i:i + 20]])
-        assert poll(lambda: (s := c.stats()["node0"])["demote_queue_bytes"] == 0 and s["disk_keys"], 15)
+        keys = put_to_disk(c)
         d = cl.daemons[0]
         with_disk = list(d.args)
         at = with_disk.index("--disk")

@@ -110,25 +110,29 @@ def test_mamba_pools_with_another_ssm_state_dtype_never_share_pages(cluster):
     b.close()
 
 
+def generic_controller(cluster, layout):
+    """A HiCacheController on SGLang's generic page path (no interface_v1) over its own host
+    pool of ``layout``: (controller, host pool, storage backend)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    host = mha_host_pool(layout, layers=3, page=PAGE, tokens=64)
+    st = make_storage(cluster.addresses, {"interface_v1": 0})
+    st.register_mem_pool_host(host)
+    c = object.__new__(HiCacheController)
+    c.__dict__.update(storage_backend=st, storage_host_pool=host, mem_pool_host=host, page_size=PAGE)
+    return c, host, st
+
+
 def test_the_legacy_copy_path_never_mixes_page_layouts(cluster):
     """SGLang's generic page path (the backend without interface_v1) flattens each page: a
     page_first and a layer_first page of the same model have the same dtype and element count."""
     from types import SimpleNamespace
 
     import torch
-    from sglang.srt.managers.cache_controller import HiCacheController
 
-    def controller(layout):
-        host = mha_host_pool(layout, layers=3, page=PAGE, tokens=64)
-        st = make_storage(cluster.addresses, {"interface_v1": 0})
-        st.register_mem_pool_host(host)
-        c = object.__new__(HiCacheController)
-        c.__dict__.update(storage_backend=st, storage_host_pool=host, mem_pool_host=host, page_size=PAGE)
-        return c, host, st
-
-    writer, wh, ws = controller("page_first")
-    reader, rh, rs = controller("layer_first")
-    same, sh, ss = controller("page_first")
+    writer, wh, ws = generic_controller(cluster, "page_first")
+    reader, rh, rs = generic_controller(cluster, "layer_first")
+    same, sh, ss = generic_controller(cluster, "page_first")
     keys, idx = hashes(2, 400), torch.arange(8, 8 + 2 * PAGE)
     wh.kv_buffer.copy_(torch.rand(wh.kv_buffer.shape))
     assert writer._generic_page_set(keys, idx)
@@ -147,20 +151,11 @@ def test_the_legacy_copy_path_finds_what_it_stored(cluster):
     from types import SimpleNamespace
 
     import torch
-    from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    def controller(layout):
-        host = mha_host_pool(layout, layers=3, page=PAGE, tokens=64)
-        st = make_storage(cluster.addresses, {"interface_v1": 0})
-        st.register_mem_pool_host(host)
-        c = object.__new__(HiCacheController)
-        c.__dict__.update(storage_backend=st, storage_host_pool=host, mem_pool_host=host, page_size=PAGE)
-        return c, host, st
-
-    writer, wh, ws = controller("page_first")
-    reader, rh, rs = controller("page_first")
-    other, _, os_ = controller("layer_first")
+    writer, wh, ws = generic_controller(cluster, "page_first")
+    reader, rh, rs = generic_controller(cluster, "page_first")
+    other, _, os_ = generic_controller(cluster, "layer_first")
     tokens = list(range(4100, 4100 + 3 * PAGE))
     keys = get_storage_hash_str(tokens, None, page_size=PAGE)
     wh.kv_buffer.copy_(torch.rand(wh.kv_buffer.shape))
