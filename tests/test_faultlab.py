@@ -330,3 +330,18 @@ def test_a_daemon_that_hears_no_master_is_declared_down_though_its_heartbeats_ar
     assert poll(lambda: lab.states()["d0"][0] == "down", cfg.down_after_s + 4.0), lab.states()
     lab.net.heal(d)
     assert poll(lambda: settled(lab, {"d0": 2, "d1": 1, "d2": 1}), 15), lab.states()
+
+
+def test_a_node_joining_just_after_the_old_owners_were_cut_off_waits_out_their_outage_bound(netlab):
+    """Every daemon cut from the masters and from the node that joins right then (they are
+    still up at the masters: its previous owners, not down nodes): they take it for a master
+    outage and serve on; the joiner cannot tell them, so it waits their outage bound, not only
+    fence-after (a probe: 39-155 thousand stale reads until --outage-max ran out)."""
+    lab = netlab(outage_max_s=3.0)
+    assert poll(lambda: settled(lab) and daemons_at_leader_epoch(lab), 10)
+    joiner = lab.net.add_host("d3")
+    for d in lab.daemons:
+        lab.net.cut(d, *lab.masters, joiner)
+    lab.start_daemon(joiner)
+    assert poll(lambda: lab.serves(joiner)["served"], 15), lab.log_tail("d3")
+    assert not any(lab.serves(d)["served"] for d in lab.daemons)

@@ -116,3 +116,21 @@ def test_a_new_table_numbers_its_epochs_from_the_first_registrations_base():
         u = NodeTable()
         u.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": GiB, "base": bad})
         assert u.epoch == 1 and u.ring_gen == 1
+
+
+def test_a_node_declared_down_keeps_when_in_the_table():
+    """A down node's record carries when the leader declared it down (its wall clock, in the
+    replicated table): whichever master answers a registration says how long ago, not what it
+    happened to hear itself (a follower cut off from the node, or a new leader, said longer)."""
+    t = NodeTable()
+    for n in "ab":
+        t.apply({"v": 1, "op": "register", "node": n, "address": f"10.0.0.{ord(n)}:1", "capacity": GiB})
+    t.apply({"v": 1, "op": "set_state", "node": "a", "inc": 1, "state": "suspect", "at": 1000})
+    assert "down_at" not in t.nodes["a"]
+    t.apply({"v": 1, "op": "set_state", "node": "a", "inc": 1, "state": "down", "at": 2000})
+    assert t.nodes["a"]["down_at"] == 2000
+    u = NodeTable()
+    u.restore(t.snapshot())
+    assert u.nodes["a"]["down_at"] == 2000  # a master that joins from a snapshot knows it too
+    t.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.97:1", "capacity": GiB})
+    assert "down_at" not in t.nodes["a"] and t.nodes["a"]["state"] == "up"

@@ -165,12 +165,16 @@ class Core:
                 cmd = {**cmd, "base": epoch_base()}
             out = self.raft.propose({"v": COMMAND_VERSION, **cmd}, timeout_s=timeout_s)
             if cmd.get("op") == "register":
-                # how long ago this master last heard each down node: a node cut off from the
+                # how long ago each down node was declared down (by the leader's clock, in the
+                # replicated table, so whichever master answers agrees): a node cut off from the
                 # masters together with its peers may serve on for a while (its outage bound,
-                # gcache.server.agent), and the registering node waits until it cannot
+                # gcache.server.agent), and the registering node waits until it cannot. Unknown
+                # (declared down by an older version): 0, the whole bound.
+                now = epoch_base()
                 with self.lock:
-                    down = [n for n, r in self.table.nodes.items() if r["state"] == "down"]
-                out = {**out, "silent": self.detector.silent_for(down)}
+                    out = {**out, "silent": {
+                        n: max(0.0, (now - r["down_at"]) / 1000) if isinstance(r.get("down_at"), int) else 0.0
+                        for n, r in self.table.nodes.items() if r["state"] == "down"}}
             self.send(("reply", req_id, True, out))
         except ValueError as exc:
             self.send(("reply", req_id, False, ("refused", str(exc))))
@@ -261,8 +265,8 @@ class Core:
 
     def _set_state(self, node: str, inc: int, state: str, silent_s: float) -> None:
         try:
-            self.raft.propose({"v": COMMAND_VERSION, "op": "set_state", "node": node, "inc": inc, "state": state},
-                              timeout_s=1.0)
+            self.raft.propose({"v": COMMAND_VERSION, "op": "set_state", "node": node, "inc": inc, "state": state,
+                               "at": epoch_base()}, timeout_s=1.0)
             log.warning("node %s is %s (no heartbeat for %.1fs)", node, state.upper(), silent_s)
         except (ValueError, ProposalFailed) as exc:
             log.warning("could not mark %s %s: %s", node, state, exc)

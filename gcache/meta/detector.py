@@ -46,7 +46,6 @@ class FailureDetector:
         self.pause_s = pause_s
         self.clock = clock
         self._seen: dict[str, tuple[int, float]] = {}  # node -> (incarnation, when heard)
-        self._started = clock()
         self._leader_since: float | None = None
         self._last_verdicts: float | None = None  # when verdicts() last ran (a pause shows as a gap)
         self._lock = threading.Lock()  # heartbeats may arrive on other threads than the detector's
@@ -103,13 +102,6 @@ class FailureDetector:
             for gone in set(self._seen) - present:
                 del self._seen[gone]
         return out
-
-    def silent_for(self, nodes: Iterable[str]) -> dict[str, float]:
-        """Seconds since each of ``nodes`` was last heard; one never heard by this master has
-        been silent at least since the detector started."""
-        now = self.clock()
-        with self._lock:
-            return {n: round(now - self._seen.get(n, (0, self._started))[1], 3) for n in nodes}
 
     def ages(self) -> dict[str, float]:
         """Seconds since each node was last heard (for status)."""

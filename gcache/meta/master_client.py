@@ -90,8 +90,8 @@ class MasterClient:
         for i in range(n):
             idx = (self._preferred + i) % n
             address = self.addresses[idx]
-            if deadline is not None:
-                timeout = min(timeout, deadline - time.monotonic())
+            if deadline is not None:  # each master left gets its share of the time left
+                timeout = min(timeout, (deadline - time.monotonic()) / (n - i))
                 if timeout <= 0:
                     errors.append(f"{address}: not tried (out of time)")
                     break

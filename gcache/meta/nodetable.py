@@ -93,6 +93,9 @@ class NodeTable:
             raise CommandError(f"unknown state {cmd['state']!r}")
         before = self._owners()
         rec["state"] = cmd["state"]
+        rec.pop("down_at", None)
+        if cmd["state"] == "down" and isinstance(cmd.get("at"), int):
+            rec["down_at"] = cmd["at"]  # the proposer's wall clock, ms (gcache.meta.core: Register's "silent")
         self._changed(before, set())
         return {"changed": True, "epoch": self.epoch}
 

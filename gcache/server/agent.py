@@ -277,10 +277,14 @@ class Agent:
         after another one wrote a newer one here. (Knowing the new epoch is not enough: a node
         judges ownership by the newest ring it has *built*.) They learn it from the masters at
         their next heartbeat; told directly (announce_epoch) they refresh at once. One that
-        neither answers nor learns it within fence-after has fenced itself by then (it cannot
-        reach the leader)."""
+        neither answers nor learns it has fenced itself within fence-after (it cannot reach the
+        leader), unless it takes this for a master outage with its peers: then within its
+        outage bound (``outage_max_s``), which is how long this waits at most."""
         t = m.get("transition") or {}
-        self._confirm({r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}, self.epoch)
+        # one that neither confirms nor refuses may be serving on in what it takes for a master
+        # outage (cut off from the masters with every peer it asks): up to its outage bound
+        self._confirm({r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}, self.epoch,
+                      time.monotonic() + self.outage_max_s + self.fence_after_s)
 
     def _await_down_nodes(self, m: dict[str, Any], silent: Any, sent_at: float) -> None:
         """Serve only once no node the masters declared down may still serve by an older
@@ -288,8 +292,8 @@ class Agent:
         for a master outage and serves on (up to ``outage_max_s`` after the leader last
         acknowledged it, plus its lease) while the masters declare it down; a node joining then
         would own its keys beside it (clients cut off from the masters too still read there).
-        ``silent``: seconds since the answering master last heard each down node (the Register
-        reply). Each one heard within that bound is told the new epoch (a node that cannot
+        ``silent``: seconds since each down node was declared down (the Register reply; it went
+        without the leader's acknowledgement at least that long). Each one heard within that bound is told the new epoch (a node that cannot
         reach the leader fences at once when told, ``note_epoch``) until it confirms, or the
         bound has passed."""
         if not isinstance(silent, dict):
