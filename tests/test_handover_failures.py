@@ -296,10 +296,23 @@ def test_a_drain_across_a_node_declared_down_completes_and_serves_nothing_stale(
 
 
 def _process_tree(pid):
-    import subprocess
+    """``pid`` and its descendants (a master is a front process and its Raft core child)."""
+    import os
 
-    kids = subprocess.run(["pgrep", "-P", str(pid)], check=False, capture_output=True, text=True).stdout.split()
-    return [pid, *(p for k in kids for p in _process_tree(int(k)))]
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parents.items() if pp == p]
+    return out
 
 
 def test_a_bogus_newer_epoch_fences_a_daemon_only_until_the_leader_answers(tmp_path):
