@@ -40,7 +40,7 @@ from gcache.meta.ring import HashRing, RingParams
 from gcache.server.handover import PutFn, hand_over, held_moved, held_unowned
 from gcache.server.lease import Mode, Verdict, judge, outage_confirmed
 from gcache.server.touchlog import TouchLog
-from gcache.server.vouch import PeerAsk, announce_epoch
+from gcache.server.vouch import MAX_PEERS, PeerAsk, announce_epoch
 from gcache.tier.store import Store
 
 log = logging.getLogger("gcache.agent")
@@ -281,10 +281,13 @@ class Agent:
         leader), unless it takes this for a master outage with its peers: then within its
         outage bound (``outage_max_s``), which is how long this waits at most."""
         t = m.get("transition") or {}
+        prev = {r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}
         # one that neither confirms nor refuses may be serving on in what it takes for a master
-        # outage (cut off from the masters with every peer it asks): up to its outage bound
-        self._confirm({r["id"]: r["address"] for r in t.get("from", ()) if r["id"] != self.node_id}, self.epoch,
-                      time.monotonic() + self.outage_max_s + self.fence_after_s)
+        # outage (cut off from the masters with every peer it asks): up to its outage bound. But
+        # it asks every other previous owner (when they are few enough to be asked all), so once
+        # one of them routes by the new epoch it renews no more: fence-after from then
+        self._confirm(prev, self.epoch, time.monotonic() + self.outage_max_s + self.fence_after_s,
+                      shorten=len(prev) <= MAX_PEERS)
 
     def _await_down_nodes(self, m: dict[str, Any], silent: Any, sent_at: float) -> None:
         """Serve only once no node the masters declared down may still serve by an older
@@ -307,11 +310,12 @@ class Agent:
                           "down nodes")
 
     def _confirm(self, prev: dict[str, str], epoch: int, deadline: float | None = None,
-                 what: str = "previous owners") -> None:
+                 what: str = "previous owners", shorten: bool = False) -> None:
         """Announce ``epoch`` to ``prev`` until each says it routes by it (or that it will not
         serve until it does), or ``deadline`` (by default fence-after from now) passed (a
         previous owner that cannot be told cannot reach the leader either: it has fenced by
-        then)."""
+        then). With ``shorten``, ``prev`` are each other's peers: once one routes by ``epoch``,
+        the others are fenced within fence-after."""
         deadline = time.monotonic() + self.fence_after_s if deadline is None else deadline
         beat_at = time.monotonic() + self.heartbeat_s
         while prev and not self._stop.is_set():
@@ -320,8 +324,11 @@ class Agent:
                 log.warning("%s %s did not confirm epoch %d in time; going on: they are fenced by now",
                             what, sorted(prev), epoch)
                 return
-            for node in announce_epoch(prev, epoch, self.token, min(0.5, remaining)):
+            done = announce_epoch(prev, epoch, self.token, min(0.5, remaining))
+            for node in done:
                 del prev[node]
+            if shorten and prev and "routes" in done.values():
+                deadline = min(deadline, time.monotonic() + self.fence_after_s)
             if prev and time.monotonic() >= beat_at:
                 # a long wait (down nodes: up to outage-max) runs on the heartbeat thread: keep
                 # the masters hearing this incarnation, or they declare it down meanwhile

@@ -62,12 +62,20 @@ def ask_peers(peers: dict[str, str], token: str | None, timeout_s: float) -> dic
             for n, r in _ping_all(peers, {"probe": 1}, token, timeout_s).items()}
 
 
-def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> set[str]:
-    """Tell ``peers`` that ``epoch`` exists; the ones that answered that they route by it (or
-    will serve nothing until they do), and those where nothing listens."""
-    replies = _ping_all(peers, {"ep": epoch}, token, timeout_s)
-    return {n for n, r in replies.items() if r is not None and (r.get("refused") is True or any(
-        isinstance(r.get(f), int) and r[f] >= epoch for f in ("rt", "cu")))}
+def announce_epoch(peers: dict[str, str], epoch: int, token: str | None, timeout_s: float) -> dict[str, str]:
+    """Tell ``peers`` that ``epoch`` exists; of those done with it, why: "routes" (it routes by
+    it), "holds" (it serves nothing until it does) or "refused" (nothing listens there)."""
+    out = {}
+    for n, r in _ping_all(peers, {"ep": epoch}, token, timeout_s).items():
+        if r is None:
+            continue
+        if r.get("refused") is True:
+            out[n] = "refused"
+        elif isinstance(r.get("rt"), int) and r["rt"] >= epoch:
+            out[n] = "routes"
+        elif isinstance(r.get("cu"), int) and r["cu"] >= epoch:
+            out[n] = "holds"
+    return out
 
 
 class PeerAsk:
