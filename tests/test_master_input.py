@@ -14,7 +14,6 @@ The tests share one master (and one daemon, node0)."""
 from __future__ import annotations
 
 import socket
-import time
 
 import grpc
 import msgpack
@@ -28,6 +27,7 @@ from gcache.meta.beat import beat_key, seal, unseal
 from gcache.meta.fields import MAX_MESSAGE, cut, heartbeat_error
 from gcache.meta.master import MAX_CAPACITY, register_error
 from gcache.meta.master_client import MasterClient
+from tests.conftest import poll
 
 GOOD = {"node": "n1", "address": "127.0.0.1:7000", "capacity": 1 << 30}
 NILS_4MB = b"\xdd" + (4_000_000).to_bytes(4, "big") + b"\xc0" * 4_000_000  # msgpack array32 of 4M nils
@@ -93,12 +93,8 @@ def log_text(cl):
 
 def wait_for_log(cl, text, start, timeout_s=10.0):
     """The master's log from offset ``start`` once it holds ``text`` (the core logs through a queue)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = log_text(cl)[start:]
-        if text in out or time.monotonic() > deadline:
-            return out
-        time.sleep(0.05)
+    poll(lambda: text in log_text(cl)[start:], timeout_s)
+    return log_text(cl)[start:]
 
 
 def test_a_master_refuses_a_malformed_registration_and_keeps_serving(cl):

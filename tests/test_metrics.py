@@ -1,8 +1,8 @@
 """A daemon's Prometheus endpoint, scraped for real, and `gcache stats` reading it."""
 
+import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -16,18 +16,14 @@ try:  # the TCP data plane is what these counters instrument; keep the shared-me
 except ImportError:
     TCP_ONLY = {}
 from gcache.server.metrics import histogram_quantile, parse_text, scrape
+from tests.conftest import poll
 
 
 def metrics_address(daemon, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with open(daemon.ready_file + ".metrics") as f:
-                return f.read().strip()
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    path = daemon.ready_file + ".metrics"
+    assert poll(lambda: os.path.exists(path), timeout_s), f"{path} never written"
+    with open(path) as f:
+        return f.read().strip()
 
 
 def delta(before, after, name):

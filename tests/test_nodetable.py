@@ -128,7 +128,7 @@ def test_a_node_declared_down_keeps_when_in_the_table():
     t.apply({"v": 1, "op": "set_state", "node": "a", "inc": 1, "state": "suspect", "at": 1000})
     assert "down_at" not in t.nodes["a"]
     t.apply({"v": 1, "op": "set_state", "node": "a", "inc": 1, "state": "down", "at": 2000})
-    assert t.nodes["a"]["down_at"] == 2000
+    assert t.nodes["a"]["down_at"] == 2000 and t.down_for(5000) == {"a": 3.0}
     u = NodeTable()
     u.restore(t.snapshot())
     assert u.nodes["a"]["down_at"] == 2000  # a master that joins from a snapshot knows it too

@@ -11,6 +11,7 @@ import pytest
 
 from gcache.cluster import LocalCluster
 from gcache.meta.master_client import MasterClient
+from tests.conftest import poll
 
 MiB = 1 << 20
 
@@ -117,10 +118,8 @@ def test_unauthenticated_connections_cannot_pile_up(master):
                     pass
             return n
 
-        deadline = time.monotonic() + 10  # the last few may still sit in the accept backlog
-        while open_count() > 32 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert open_count() <= 32
+        # the last few may still sit in the accept backlog
+        assert poll(lambda: open_count() <= 32, 10, every=0.1)
         assert still_serves(master)
     finally:
         for s in socks:
@@ -144,10 +143,11 @@ def test_an_idle_peer_link_survives_its_first_send_and_a_silent_peer_still_times
         assert conn.state == CONNECTION_STATE.CONNECTED
         theirs.settimeout(2)
         assert len(theirs.recv(4096)) > 4  # the message went out
-        deadline = time.monotonic() + 5
-        while conn.state == CONNECTION_STATE.CONNECTED and time.monotonic() < deadline:
-            time.sleep(0.05)
-            conn.send({"append": 1})  # sent on and on, never answered
+        def sent_until_dropped():  # sent on and on, never answered
+            conn.send({"append": 1})
+            return conn.state != CONNECTION_STATE.CONNECTED
+
+        assert poll(sent_until_dropped, 5, every=0.05)
         assert conn.state == CONNECTION_STATE.DISCONNECTED
     finally:
         conn.disconnect()

@@ -170,11 +170,8 @@ class Core:
                 # masters together with its peers may serve on for a while (its outage bound,
                 # gcache.server.agent), and the registering node waits until it cannot. Unknown
                 # (declared down by an older version): 0, the whole bound.
-                now = epoch_base()
                 with self.lock:
-                    out = {**out, "silent": {
-                        n: max(0.0, (now - r["down_at"]) / 1000) if isinstance(r.get("down_at"), int) else 0.0
-                        for n, r in self.table.nodes.items() if r["state"] == "down"}}
+                    out = {**out, "silent": self.table.down_for(epoch_base())}
             self.send(("reply", req_id, True, out))
         except ValueError as exc:
             self.send(("reply", req_id, False, ("refused", str(exc))))

@@ -188,6 +188,12 @@ class NodeTable:
         return out
 
     # -- views ------------------------------------------------------------------------------
+    def down_for(self, now_ms: int) -> dict[str, float]:
+        """Seconds since each down node was declared down, by the proposer's clock ``down_at``
+        (0 when unknown: declared down by an older version)."""
+        return {n: max(0.0, (now_ms - r["down_at"]) / 1000) if isinstance(r.get("down_at"), int) else 0.0
+                for n, r in self.nodes.items() if r["state"] == "down"}
+
     def membership(self) -> dict[str, Any]:
         """What clients and daemons route by."""
         t = self.transition

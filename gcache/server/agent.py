@@ -258,9 +258,7 @@ class Agent:
             if membership is None:
                 raise GCacheError(f"no master answers the membership of epoch {out['epoch']} yet")
         self.inc = int(out["inc"])
-        with self._lock:  # epochs heard of before are moot: the leader just gave the newest
-            self._heard = -1
-            self._catch_up_to = min(self._catch_up_to, int(membership["epoch"]))
+        self._leader_epoch(int(membership["epoch"]))
         self._apply_membership(membership, build_now=True)  # fenced until registered anyway
         with self._lock:  # copies pushed before this incarnation are not welcome (Handler)
             self.fresh_since = max(self.fresh_since, int(membership["epoch"]))
@@ -270,6 +268,14 @@ class Agent:
         self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
+
+    def _leader_epoch(self, epoch: int) -> None:
+        """The leader says ``epoch`` is the newest: an epoch beyond it that a peer or client named
+        (a bug, another master group) is moot, and must not keep this node fenced for good."""
+        with self._lock:
+            if self._heard > epoch:
+                self._heard = -1
+            self._catch_up_to = min(self._catch_up_to, epoch)
 
     def _await_previous_owners(self, m: dict[str, Any]) -> None:
         """Serve only once the nodes that owned our new ranges route by the new ring: until then
@@ -296,9 +302,9 @@ class Agent:
         acknowledged it, plus its lease) while the masters declare it down; a node joining then
         would own its keys beside it (clients cut off from the masters too still read there).
         ``silent``: seconds since each down node was declared down (the Register reply; it went
-        without the leader's acknowledgement at least that long). Each one heard within that bound is told the new epoch (a node that cannot
-        reach the leader fences at once when told, ``note_epoch``) until it confirms, or the
-        bound has passed."""
+        without the leader's acknowledgement at least that long). Each one declared down within
+        that bound is told the new epoch (a node that cannot reach the leader fences at once
+        when told, ``note_epoch``) until it confirms, or the bound has passed."""
         if not isinstance(silent, dict):
             return
         bound = self.outage_max_s + self.fence_after_s
@@ -419,13 +425,7 @@ class Agent:
                 self._register()
                 return
             self._apply_membership(m)
-        with self._lock:
-            # the leader's epoch is the newest there is: a newer one a peer or client named (a bug,
-            # another master group) must not keep this node fenced for good
-            lead_epoch = int(lead["epoch"])
-            if self._heard > lead_epoch:
-                self._heard = -1
-            self._catch_up_to = min(self._catch_up_to, max(lead_epoch, self.epoch))
+        self._leader_epoch(max(int(lead["epoch"]), self.epoch))
         if lapsed and self._registered.is_set():
             # fenced until it routes by the newest membership it has (_install_ring), fetched in
             # this round or by a catch-up fetch (note_epoch)
