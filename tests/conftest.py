@@ -31,17 +31,14 @@ def sigstop(pid, timeout=5.0):
     """SIGSTOP ``pid`` and wait until the kernel reports it stopped (delivery is asynchronous:
     a process can still run for a moment after kill() returns)."""
     import signal
-    import time
 
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def stopped() -> bool:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        if state in ("T", "t"):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop within {timeout}s")
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    assert poll(stopped, timeout, every=0.001), f"process {pid} did not stop within {timeout}s"
 
 
 @pytest.fixture

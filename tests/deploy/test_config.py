@@ -6,13 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from gcache import cli
 from gcache.ops.config import check, check_text, defaults_for, load
+from tests.conftest import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "gcache.toml"
@@ -150,11 +150,8 @@ def test_daemon_runs_from_the_file(tmp_path):
     proc = subprocess.Popen([*GCACHE, "daemon", "--config", str(f), "--mem", "8MiB"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "daemon not ready"
-            time.sleep(0.05)
+        assert poll(lambda: ready.exists() or proc.poll() is not None, 30), "daemon not ready"
+        assert proc.poll() is None, proc.stderr.read()
         line = proc.stdout.readline()
         assert "node=from-file" in line and f"mem={8 << 20}" in line, line
     finally:

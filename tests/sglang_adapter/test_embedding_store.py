@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.conftest import poll
 from tests.sglang_adapter.conftest import HAVE_SGLANG
 
 pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang 0.5.23 / torch not installed: make sglang-deps")
@@ -25,10 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def wait_prefetch(ctrl, req_id, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not ctrl.check_prefetch_progress(req_id):
-        assert time.monotonic() < deadline, f"prefetch {req_id} not finished within {timeout}s"
-        time.sleep(0.005)
+    assert poll(lambda: ctrl.check_prefetch_progress(req_id), timeout, every=0.005), \
+        f"prefetch {req_id} not finished within {timeout}s"
 
 
 @pytest.fixture
