@@ -14,7 +14,7 @@ import pytest
 
 from gcache import cli
 from gcache import protocol as P
-from gcache.net.wire import recv_exact
+from tests.test_bad_input import read_reply
 
 GCACHE = [sys.executable, "-m", "gcache"]
 
@@ -149,13 +149,8 @@ def frame(op, meta: bytes, payload=b"", req_id=1):
 
 
 def reply(sock):
-    hdr = bytearray(P.HEADER_SIZE)
-    recv_exact(sock, memoryview(hdr))
-    _v, _op, flags, req_id, meta_len, payload_len = P.unpack_header(hdr)
-    meta = bytearray(meta_len)
-    recv_exact(sock, memoryview(meta))
-    recv_exact(sock, memoryview(bytearray(payload_len)))
-    return flags, req_id, P.decode_meta(meta)
+    """(flags, request id, metadata) of the next reply (its payload read and dropped)."""
+    return read_reply(sock)[:3]
 
 
 def test_daemon_names_what_is_wrong_with_metadata_and_a_hello_payload(make_cluster, tmp_path):

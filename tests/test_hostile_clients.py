@@ -18,8 +18,8 @@ import pytest
 from gcache import Client, LocalPath, Status
 from gcache import protocol as P
 from gcache.cluster import LocalCluster
-from gcache.net.wire import recv_exact
 from gcache.server.metrics import scrape
+from tests import test_bad_input as bad_input
 from tests.conftest import poll
 
 MiB = 1 << 20
@@ -56,13 +56,9 @@ def connect(address, timeout=5.0):
 
 
 def read_reply(sock):
-    hdr = bytearray(P.HEADER_SIZE)
-    recv_exact(sock, memoryview(hdr))
-    _v, _op, flags, _req_id, meta_len, payload_len = P.unpack_header(hdr)
-    meta = bytearray(meta_len)
-    recv_exact(sock, memoryview(meta))
-    recv_exact(sock, memoryview(bytearray(payload_len)))
-    return flags, P.decode_meta(meta)
+    """(flags, metadata) of the next reply (its payload read and dropped)."""
+    flags, _req_id, meta, _payload = bad_input.read_reply(sock)
+    return flags, meta
 
 
 def closed_by_daemon(sock):
