@@ -3,10 +3,12 @@
 SGLang page keys are chained SHA-256 hex digests of the page tokens. A stored object is one
 page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{shard}#{format}``.
 
-* The shard names the model (``/`` and ``%`` percent-encoded: ``a/b-c`` and ``a-b/c`` stay two
-  names), the TP rank and size (MLA models keep one copy shared by every rank, so their KV
-  shard omits the rank), the pipeline stage, the context-parallel rank and the decode
-  context-parallel rank (each holds other tokens of a page).
+* The shard names the model (``%``, ``/`` and ``_`` percent-encoded: ``a/b-c`` and ``a-b/c`` stay
+  two names, and the first ``_`` of a shard always ends the name, so a model called
+  ``org/m_pp0of2`` is never taken for ``org/m`` at pipeline stage 0 of 2), the TP rank and size
+  (MLA models keep one copy shared by every rank, so their KV shard omits the rank), the
+  pipeline stage, the context-parallel rank and the decode context-parallel rank (each holds
+  other tokens of a page).
 * The format (``page_format``) is a digest of everything that decides how a page's bytes are
   laid out or what they mean: the key format version, the host pool's class, its layout
   (page_first, page_first_direct, layer_first), dtype, tokens per page, the byte size of each
@@ -28,8 +30,10 @@ from typing import Any
 
 import xxhash
 
-#: Bump when the meaning of a stored page's bytes changes: older pages then become misses.
-FORMAT_VERSION = 2
+#: Bump when the meaning of a stored page's bytes or of its key changes: older pages then become
+#: misses (3: ``_`` escaped in the model name; without the bump an older page of a model named
+#: ``org/m_pp0of2`` would be read as one of ``org/m`` at pipeline stage 0 of 2).
+FORMAT_VERSION = 3
 
 
 def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int],
@@ -42,9 +46,10 @@ def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer
 
 
 def model_name(name: str) -> str:
-    """A model name as a key part: ``%`` and ``/`` percent-encoded (reversible, so two names
-    never meet)."""
-    return name.replace("%", "%25").replace("/", "%2F")
+    """A model name as a key part: ``%``, ``/`` and ``_`` percent-encoded (reversible, so two
+    names never meet; without ``_`` the name never runs into the shard's ``_tp``/``_pp``/...
+    fields after it)."""
+    return name.replace("%", "%25").replace("/", "%2F").replace("_", "%5F")
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class KeyScheme:
         )
 
     def shard(self, pool: str) -> str:
-        """Rank-shared for MLA KV; per TP rank otherwise (side pools are rank-sharded)."""
+        """Rank-shared for MLA KV; per TP rank otherwise (side pools are rank-sharded). Every field
+        starts with ``_``, which the model name (model_name) never contains."""
         s = self.model
         if not (self.is_mla and pool == "kv"):
             s += f"_tp{self.tp_rank}of{self.tp_size}"

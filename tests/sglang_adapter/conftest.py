@@ -77,6 +77,24 @@ def mha_host_pool(layout="page_first", layers=3, heads=2, head_dim=8, v_head_dim
                start_layer=start_layer, end_layer=start_layer + layers)
 
 
+def mla_host_pool(layers=3, page=4, tokens=64, dtype=None, layout="page_first"):
+    """A real sglang MLA host pool on CPU (one latent buffer per page, shared by every TP rank)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dtype = dtype or torch.float32
+    lora, rope = 16, 8
+    bufs = tuple(torch.zeros(tokens + page, 1, lora + rope, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs]),
+                         layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page,
+                         kv_lora_rank=lora, qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=dtype,
+                         device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
+                                target_layer_num=layers)
+
+
 def fill_random(pool, seed=0):
     import torch
 

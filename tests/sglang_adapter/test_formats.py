@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from tests.sglang_adapter.conftest import make_storage, mha_host_pool
+from tests.sglang_adapter.conftest import make_storage, mha_host_pool, mla_host_pool
 
 PAGE = 4
 
@@ -71,6 +71,24 @@ def test_fp8_variants_of_the_kv_cache_never_share_pages(cluster):
     assert storages["e4m3 again"].batch_exists(keys) == 3
     for s in storages.values():
         s.close()
+
+
+def test_mla_models_whose_name_ends_like_a_shard_field_never_share_pages(cluster):
+    """MLA KV keys name no TP rank, so the model name is followed directly by the pipeline and
+    context-parallel fields: a model called ``org/m_pp0of2`` (one stage) and ``org/m`` at stage 0
+    of 2 are two shards, and so are ``org/m_cp0of2`` and ``org/m`` at CP rank 0 of 2."""
+    cases = [({"model_name": "org/m_pp0of2"}, {"model_name": "org/m", "pp_rank": 0, "pp_size": 2}),
+             ({"model_name": "org/m_cp0of2"}, {"model_name": "org/m", "attn_cp_rank": 0, "attn_cp_size": 2})]
+    for i, (named, sharded) in enumerate(cases):
+        a, b, again = (make_storage(cluster.addresses, is_mla_model=True, **over)
+                       for over in (named, sharded, sharded))
+        for s in (a, b, again):
+            s.register_mem_pool_host(mla_host_pool())
+        keys = hashes(3, 600 + 100 * i)
+        assert write_then_probe(cluster, b, a, keys) == (0, [False] * 3)
+        assert again.batch_exists(keys) == 3  # the same shard still shares
+        for s in (a, b, again):
+            s.close()
 
 
 def test_pipeline_stages_holding_other_layers_never_share_pages(cluster):

@@ -99,6 +99,10 @@ def test_model_names_stay_apart_and_dcp_ranks_hold_their_own_pages():
 
     assert model_name("a/b-c") != model_name("a-b/c")
     assert model_name("a%2Fb") != model_name("a/b") and "/" not in model_name("org/m")
+    # a name ending like a shard field is not that field (MLA KV names no TP rank)
+    assert model_name("a_b") != model_name("a%5Fb") and "_" not in model_name("org/m_pp0of2")
+    assert KeyScheme(model_name("org/m_pp0of2"), is_mla=True).key("ab", "kv") != \
+        KeyScheme(model_name("org/m"), pp_rank=0, pp_size=2, is_mla=True).key("ab", "kv")
     mla0, mla1 = KeyScheme("m", 0, 2, is_mla=True, dcp_rank=0, dcp_size=2), \
         KeyScheme("m", 1, 2, is_mla=True, dcp_rank=1, dcp_size=2)
     assert mla0.key("ab", "kv") != mla1.key("ab", "kv")  # each holds other tokens of the page
