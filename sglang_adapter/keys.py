@@ -15,9 +15,10 @@ page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{sha
   buffer a page is made of, and ``extra``: what the host pool does not show (its layer range,
   a Mamba pool's SSM state dtype, and the deployment identity from SGLang's server arguments:
   the logical KV cache dtype, which for every fp8 variant is stored as uint8, the weights'
-  quantization and scales, model revision and config overrides; sglang_adapter.pages). Two
-  deployments that differ in any of these never share a key, so a reader gets a miss, never
-  another layout's bytes.
+  quantization and scales, the checkpoint loaded (model path and revision), config overrides
+  and a speculative draft's algorithm, checkpoint, revision, quantization and KV cache dtype;
+  sglang_adapter.pages). Two deployments that differ in any of these never share a key, so a
+  reader gets a miss, never another layout's bytes.
 
 Together: no two writers of different bytes share a key.
 """

@@ -69,10 +69,15 @@ def page_bytes(host_pool: Any) -> int:
 
 
 #: SGLang server arguments that change what a page's bytes mean without changing the host pool
-#: (it holds fp8_e4m3 and fp8_e5m2 alike as uint8; quantized weights, their scales, another
-#: revision or overridden config values such as rope scaling give other K and V)
-IDENTITY_ARGS = ("kv_cache_dtype", "mamba_ssm_dtype", "dtype", "quantization", "modelopt_quant",
-                 "quantization_param_path", "revision", "json_model_override_args")
+#: (it holds fp8_e4m3 and fp8_e5m2 alike as uint8; another checkpoint, even one served under the
+#: same --served-model-name, quantized weights, their scales, another revision or overridden
+#: config values such as rope scaling give other K and V; with speculative decoding the host pool
+#: packs the draft model's layers into every page, so the draft's checkpoint, algorithm and
+#: KV cache dtype decide those bytes)
+IDENTITY_ARGS = ("model_path", "kv_cache_dtype", "mamba_ssm_dtype", "dtype", "quantization", "modelopt_quant",
+                 "quantization_param_path", "revision", "json_model_override_args",
+                 "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+                 "speculative_draft_model_quantization", "speculative_draft_kv_cache_dtype")
 
 
 def _server_args() -> Any:

@@ -57,24 +57,33 @@ def make_storage(nodes, extra=None, **over):
     return StorageBackendFactory.create_backend("dynamic", storage_config(nodes, extra, **over), None)
 
 
-def mha_host_pool(layout="page_first", layers=3, heads=2, head_dim=8, v_head_dim=8, page=4, tokens=64,
-                  dtype=None, start_layer=0):
-    """A real sglang MHA host pool on CPU (AsymmetricMHATokenToKVPoolHost when K/V dims differ)."""
+def _mha_info(layers, heads, head_dim, v_head_dim, page, tokens, dtype):
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
-    dtype = dtype or torch.float32
     k = [torch.zeros(tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers)]
     v = [torch.zeros(tokens + page, heads, v_head_dim, dtype=dtype) for _ in range(layers)]
-    info = MHABufferInfo(
+    return MHABufferInfo(
         buffers=KVBuffers(k=tuple(k), v=tuple(v), k_data_ptrs=torch.tensor([t.data_ptr() for t in k]),
                           v_data_ptrs=torch.tensor([t.data_ptr() for t in v]), layout=KVBufferLayout.NHD),
         page_size=page, head_num=heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
         device=torch.device("cpu"))
+
+
+def mha_host_pool(layout="page_first", layers=3, heads=2, head_dim=8, v_head_dim=8, page=4, tokens=64,
+                  dtype=None, start_layer=0, draft_layers=0):
+    """A real sglang MHA host pool on CPU (AsymmetricMHATokenToKVPoolHost when K/V dims differ);
+    with ``draft_layers`` a speculative draft model's layers packed into every page, as SGLang
+    does with speculative decoding."""
+    import torch
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    dtype = dtype or torch.float32
+    info = _mha_info(layers, heads, head_dim, v_head_dim, page, tokens, dtype)
+    draft = (_mha_info(draft_layers, heads, head_dim, v_head_dim, page, tokens, dtype),) if draft_layers else ()
     cls = get_mha_host_pool_cls(info)
     return cls(info, 2.0, 0, page, layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
-               start_layer=start_layer, end_layer=start_layer + layers)
+               start_layer=start_layer, end_layer=start_layer + layers, draft_buffer_infos=draft)
 
 
 def mla_host_pool(layers=3, page=4, tokens=64, dtype=None, layout="page_first"):

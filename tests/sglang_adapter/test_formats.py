@@ -33,7 +33,7 @@ def server_args(**fields):
     from sglang.srt.server_args import ServerArgs
 
     prev = rc._CONTEXT._server_args
-    rc._CONTEXT.set_server_args(ServerArgs(model_path="test/tiny", **fields))
+    rc._CONTEXT.set_server_args(ServerArgs(**{"model_path": "test/tiny", **fields}))
     try:
         yield
     finally:
@@ -89,6 +89,52 @@ def test_mla_models_whose_name_ends_like_a_shard_field_never_share_pages(cluster
         assert again.batch_exists(keys) == 3  # the same shard still shares
         for s in (a, b, again):
             s.close()
+
+
+def test_two_checkpoints_served_under_one_name_never_share_pages(cluster):
+    """SGLang names the storage config's model by --served-model-name: two checkpoints of the same
+    geometry served under one name still hold other K and V (the checkpoint loaded, model_path,
+    is part of the page format)."""
+    import torch
+
+    storages = {}
+    for name, path in (("llama", "meta-llama/Llama-3.1-8B-Instruct"),
+                       ("mistral", "mistralai/Mistral-7B-Instruct-v0.3"),
+                       ("llama again", "meta-llama/Llama-3.1-8B-Instruct")):
+        with server_args(model_path=path, served_model_name="default"):
+            s = make_storage(cluster.addresses, model_name="default")
+        s.register_mem_pool_host(mha_host_pool(dtype=torch.bfloat16))
+        storages[name] = s
+    keys = hashes(3, 800)
+    assert write_then_probe(cluster, storages["mistral"], storages["llama"], keys) == (0, [False] * 3)
+    assert storages["llama again"].batch_exists(keys) == 0
+    assert write_then_probe(cluster, storages["llama"], storages["llama again"], keys)[0] == 3
+    for s in storages.values():
+        s.close()
+
+
+def test_speculative_drafts_of_another_checkpoint_never_share_pages(cluster):
+    """With speculative decoding the MHA host pool packs the draft model's layer into every page:
+    the same target with another draft checkpoint (or algorithm) holds other bytes in it."""
+    storages = {}
+    for name, draft in (("A", {"speculative_draft_model_path": "org/eagle-draft-A"}),
+                        ("B", {"speculative_draft_model_path": "org/eagle-draft-B"}),
+                        ("A as EAGLE3", {"speculative_draft_model_path": "org/eagle-draft-A",
+                                         "speculative_algorithm": "EAGLE3"}),
+                        ("A again", {"speculative_draft_model_path": "org/eagle-draft-A"})):
+        with server_args(model_path="org/target", **{"speculative_algorithm": "EAGLE", **draft}):
+            s = make_storage(cluster.addresses, model_name="org/target")
+        pool = mha_host_pool(draft_layers=1)
+        assert pool.layer_num == 4  # 3 target layers and the draft's
+        s.register_mem_pool_host(pool)
+        storages[name] = s
+    keys = hashes(3, 900)
+    assert write_then_probe(cluster, storages["B"], storages["A"], keys) == (0, [False] * 3)
+    assert storages["A as EAGLE3"].batch_exists(keys) == 0
+    assert write_then_probe(cluster, storages["A"], storages["A again"], keys)[0] == 3
+    assert storages["A as EAGLE3"].batch_exists(keys) == 0
+    for s in storages.values():
+        s.close()
 
 
 def test_pipeline_stages_holding_other_layers_never_share_pages(cluster):
