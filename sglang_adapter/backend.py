@@ -149,8 +149,7 @@ class GCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
-            query = self.page_keys(keys, KV) if self.zero_copy else self._flat_page_keys(keys)
-            return leading(self.client.exists(query))
+            return leading(self.client.exists(self._kv_keys(keys)))
         except Exception:
             log.exception("gcache batch_exists failed")
             return 0
@@ -158,13 +157,18 @@ class GCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    def _kv_keys(self, page_hashes: list[str]) -> list[bytes]:
+        """The KV keys the get that follows an existence check looks up: the zero-copy pages with
+        interface_v1, else the generic path's flat pages (_flat_page_keys)."""
+        return self.page_keys(page_hashes, KV) if self.zero_copy else self._flat_page_keys(page_hashes)
+
     # -- v2: hybrid pools -------------------------------------------------------------------------
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         try:
             keys = list(keys)
             transfers = list(pool_transfers or [])
-            query = self.page_keys(keys, KV)
+            query = self._kv_keys(keys)  # side pools always move zero-copy (batch_get_v2)
             for t in transfers:
                 query += self.page_keys(keys, _name(t.name))
             ex = self.client.exists(query)  # one round: every owner asked at once

@@ -26,7 +26,10 @@ def _pages(pool, idx):
     return [ctypes.string_at(p, n) for p, n in zip(ptrs, sizes)]
 
 
-def _controller(nodes, seed, extra=None):
+def _controller(nodes, seed, extra=None, generic=False):
+    """A hybrid controller over its own KV and SWA host pools; ``generic``: on SGLang's generic
+    page path (no interface_v1: KV pages move as flat page tensors through batch_get/batch_set,
+    side pools still through batch_get_v2/batch_set_v2), as attach_storage_backend sets it up."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
@@ -38,7 +41,8 @@ def _controller(nodes, seed, extra=None):
     fill_random(swa, seed + 100)
     group = HostPoolGroup([PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
                            PoolEntry(PoolName.SWA, swa, None, lambda i: i)])
-    storage = make_storage(nodes, extra={"hicache_storage_pass_prefix_keys": True, **(extra or {})})
+    storage = make_storage(nodes, extra={"hicache_storage_pass_prefix_keys": True,
+                                         **({"interface_v1": 0} if generic else {}), **(extra or {})})
     storage.register_mem_pool_host(group)  # what attach_storage_backend does
     for entry in group.entries:
         storage.register_mem_host_pool_v2(entry.host_pool, entry.name)
@@ -48,7 +52,8 @@ def _controller(nodes, seed, extra=None):
                         mem_pool_host=group,
                         storage_host_pool=kv, prefetch_sync_queue=Queue(), storage_backend_type="dynamic",
                         extra_host_mem_release_queues={})
-    ctl.page_set_func, ctl.page_get_func = ctl._page_set_zero_copy, ctl._page_get_zero_copy
+    ctl.page_set_func, ctl.page_get_func = ((ctl._generic_page_set, ctl._generic_page_get) if generic
+                                            else (ctl._page_set_zero_copy, ctl._page_get_zero_copy))
     return SimpleNamespace(ctl=ctl, kv=kv, swa=swa, storage=storage, torch=torch)
 
 
@@ -121,3 +126,30 @@ def test_missing_swa_page_inside_the_window_shortens_the_hit(make_cluster):
     op, hit_tokens, _ = _prefetch(r, tokens, torch_.arange(64, 88), torch_.arange(96, 104))
     assert op.pool_storage_result.restorable_prefix_pages == [3]
     assert hit_tokens == 3 * PAGE  # falls back to the earlier restore point, never past the hole
+
+
+def test_a_hybrid_deployment_on_the_generic_page_path_restores_only_what_it_can_load(make_cluster):
+    """Without interface_v1 the KV pages are the generic path's flat pages: batch_exists_v2 asks
+    the keys the KV get that follows reads, so such a deployment hits its own pages, and one that
+    reads a zero-copy writer's pages (or the other way round) is told of no page it cannot load."""
+    cluster = make_cluster(nodes=2, mem="32MiB", extra_args=["--no-pretouch"])
+    torch_ = __import__("torch")
+    kv_idx, swa_idx = torch_.arange(0, 6 * PAGE), torch_.arange(40, 40 + WINDOW_PAGES * PAGE)
+    dst_kv, dst_swa = torch_.arange(64, 64 + 6 * PAGE), torch_.arange(96, 96 + WINDOW_PAGES * PAGE)
+    generic, zero_copy = (_controller(cluster.addresses, seed=1, generic=True),
+                          _controller(cluster.addresses, seed=2))
+    for w, start in ((generic, 7000), (zero_copy, 8000)):
+        w.tokens = list(range(start, start + 6 * PAGE))
+        _backup(w, w.tokens, [], kv_idx, swa_idx)
+
+    r = _controller(cluster.addresses, seed=7, generic=True)
+    op, hit_tokens, acks = _prefetch(r, generic.tokens, dst_kv, dst_swa)
+    assert hit_tokens == 6 * PAGE and op.pool_storage_result.restorable_prefix_pages == [6]
+    assert acks[0].completed_tokens == 6 * PAGE
+    assert _pages(r.kv, dst_kv) == _pages(generic.kv, kv_idx)
+    assert _pages(r.swa, dst_swa) == _pages(generic.swa, swa_idx)
+
+    for reader, writer in ((_controller(cluster.addresses, seed=8, generic=True), zero_copy),
+                           (_controller(cluster.addresses, seed=9), generic)):
+        op, hit_tokens, acks = _prefetch(reader, writer.tokens, dst_kv, dst_swa)
+        assert (hit_tokens, op.pool_storage_result.restorable_prefix_pages, acks) == (0, [], [])
