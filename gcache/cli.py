@@ -212,6 +212,32 @@ def cmd_exists(args: argparse.Namespace) -> int:
     return 0 if all(found) else 1
 
 
+def cmd_clear(args: argparse.Namespace) -> int:
+    from gcache.protocol import namespace_error
+
+    if err := namespace_error(args.namespace):
+        print(f"gcache clear: --namespace: {err}", file=sys.stderr)
+        return 2
+    if not args.yes:
+        print(f"gcache clear: this deletes every key of namespace {args.namespace!r} on every daemon (other "
+              "deployments using it lose their entries too); add --yes to do it", file=sys.stderr)
+        return 2
+    with _client(args) as c:
+        res = c.clear(timeout_s=args.timeout)
+    for node, n in res.deleted.items():
+        print(f"{node}\tcleared\t{n} keys deleted")
+    for node, why in res.failed.items():
+        print(f"{node}\tNOT CLEARED\t{why}")
+    if not res.complete:
+        print(f"gcache clear: {len(res.failed)} of {len(res.failed) + len(res.deleted)} daemons did not acknowledge: "
+              f"namespace {args.namespace!r} is NOT cleared there (they keep its keys); run it again",
+              file=sys.stderr)
+        return 1
+    print(f"namespace {args.namespace!r} cleared on all {len(res.deleted)} daemons "
+          f"({sum(res.deleted.values())} keys deleted)")
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from gcache.sizes import format_size
 
@@ -305,12 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the whole cluster when one process exits (default: restart it with backoff)")
     u.set_defaults(fn=cmd_up)
 
-    def data_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+    def data_cmd(name: str, help_: str, namespace_required: bool = False) -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--nodes", default=None, help=DEFAULT_NODES_HELP)
         s.add_argument("--masters", default=None, help=MASTERS_HELP + "; routing follows its membership")
         s.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
-        s.add_argument("--namespace", "-n", default="default", help="namespace (tenant/model; default %(default)s)")
+        if namespace_required:
+            s.add_argument("--namespace", "-n", required=True, help="namespace (tenant/model; no default)")
+        else:
+            s.add_argument("--namespace", "-n", default="default", help="namespace (tenant/model; default %(default)s)")
         s.add_argument("--timeout", type=argtypes.seconds, default=2.0,
                        help="call timeout in seconds (default %(default)s)")
         return s
@@ -329,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = data_cmd("exists", "check keys")
     s.add_argument("keys", nargs="+")
     s.set_defaults(fn=cmd_exists)
+    s = data_cmd("clear", "delete every key of one namespace on every daemon (needs --yes)", namespace_required=True)
+    s.description = ("Delete every key of --namespace on every daemon of the membership (RAM and disk; for "
+                     "SGLang: KV pages computed with old weights). It drops the whole namespace, whoever wrote "
+                     "it. Exit status: 0 when every daemon acknowledged; 1 when any did not (unreachable, timed "
+                     "out, refused: it keeps its keys, and stderr says so); 2 without --yes.")
+    s.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")
+    s.set_defaults(fn=cmd_clear, timeout=30.0)
     s = data_cmd("stats", "per-node table of memory, disk, hits and evictions")
     s.description = ("Per-node table of memory, disk, hits and evictions. Exit status: 0 when every node "
                      "answered, 1 when any did not (unreachable, busy, refused; the table or JSON still shows "

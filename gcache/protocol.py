@@ -24,6 +24,13 @@ receiver missed); GET/LGET/EXISTS replies may list in ``"tomb"`` the
 positions of misses that are final (no fallback); a PING may carry ``"ep"`` (a newer epoch exists)
 or ``"probe": 1`` (answer ``"lead"``: do you reach the master leader?). See docs/faults.md.
 
+CLEAR ``{"ns": str}`` deletes every key of one namespace that the daemon holds, owned or not (RAM,
+queued for the disk, on disk), each as a DELETE would; the reply ``{"n": int}`` counts the keys
+deleted (0 for a namespace it holds nothing of). A client clears a namespace by sending it to
+every daemon of the membership; a daemon that did not answer keeps its keys. A daemon from
+before CLEAR refuses it (UNKNOWN_OP). A CLEAR whose client gave up stops, as a write is dropped
+(what it deleted by then stays deleted).
+
 A client that gives up on a request resets the connection (or closes it). A write (PUT, DELETE,
 LCOMMIT) still unlanded when its connection is shut down, closed or reset is dropped, so a client
 must keep its sending side open until it has a write's answer (no half-close).
@@ -72,6 +79,7 @@ class Op(enum.IntEnum):
     LCOMMIT = 12  # make reserved slots visible (if the lease is still held)
     # UCX transport (TCP connection only, daemon run with --ucx; see gcache.transport.ucx):
     UCX_CONNECT = 13  # {"addr": client worker address, "cid": int}; reply {"addr": daemon's}
+    CLEAR = 14  # {"ns": str}: delete every key of the namespace held here; reply {"n": keys deleted}
 
 
 class Status(enum.IntEnum):

@@ -20,6 +20,8 @@ membership); the token comes from ``"token_file"``, $GCACHE_TOKEN_FILE or $GCACH
 * Positions: with ``hicache_storage_pass_prefix_keys`` SGLang passes the chain before each
   batch, so pages are written with their absolute chain position (prefix-aware eviction);
   without it positions are relative to the batch.
+* ``clear`` (SGLang's storage clear, e.g. after a weight update): deletes the whole namespace on
+  every daemon; True only when every daemon acknowledged (docs/sglang.md).
 * Failure: every batch call answers per-page False on any error; a dead daemon is a miss
   within ``timeout_s`` (the client runs with OnNodeError.MISS). Thread-safe: the gcache
   Client is, and the metrics are kept under a lock.
@@ -309,8 +311,25 @@ class GCacheStorage(HiCacheStorage):
         return [self._legacy_key(h, kind, dtype, shape) for h in page_hashes]
 
     def clear(self) -> bool:
-        log.warning("gcache storage: clear() is not supported (entries age out by eviction)")
-        return False
+        """Delete every page of this adapter's namespace on every daemon (SGLang's
+        /hicache/storage-backend/clear; after a weight update, the KV of the old weights). The
+        whole namespace: other deployments sharing it lose their pages too (misses). True only
+        when every daemon acknowledged; SGLang answers "cleared" whatever this returns, so a
+        clear that did not reach every daemon is logged as an error naming them."""
+        ns = self.config.namespace
+        try:
+            res = self.client.clear()
+        except Exception:
+            log.exception("gcache storage: clear of namespace %r failed: it is NOT complete, pages may remain", ns)
+            return False
+        if not res.complete:
+            log.error("gcache storage: clear of namespace %r is NOT complete: %d of %d daemons did not acknowledge "
+                      "and keep their pages (%s); clear again", ns, len(res.failed),
+                      len(res.failed) + len(res.deleted), "; ".join(res.failed.values()))
+            return False
+        log.warning("gcache storage: cleared namespace %r on %d daemons (%d pages deleted)", ns, len(res.deleted),
+                    sum(res.deleted.values()))
+        return True
 
     # -- metrics ----------------------------------------------------------------------------------
     def _record(self, kind: str, name: str, pool: Any, pages: int, seconds: float) -> None:

@@ -19,7 +19,7 @@ def run(*args, env=None, check=True):
 
 def test_help_explains_every_command():
     out = run("--help").stdout
-    for cmd in ("daemon", "up", "put", "get", "exists", "stats", "bench"):
+    for cmd in ("daemon", "up", "put", "get", "exists", "stats", "clear", "bench"):
         assert cmd in out
     assert "--disk-size" in run("daemon", "--help").stdout
 

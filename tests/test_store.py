@@ -1,5 +1,6 @@
 """The tiered store in-process: LRU, TTL, pins, demotion, checksums, full disk, recovery."""
 
+import dataclasses
 import os
 import resource
 
@@ -255,3 +256,34 @@ def test_reserve_many_that_fails_partway_holds_nothing(ram_store, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         s.reserve_many([KB, None, 2 * KB, 3 * KB])
     assert calls == [KB, 2 * KB, 3 * KB] and s.stats()["ram_used"] == 0  # the first two were given back
+
+
+def test_delete_namespace_drops_ram_pooled_queued_and_disk_keys_for_good(tiered, monkeypatch):
+    s = tiered()
+    old = {b"k%03d" % i: os.urandom(10 * KB) for i in range(40)}  # 400 KiB through a 64 KiB arena
+    for k, v in old.items():
+        assert s.put(("a", k), v) is Status.OK
+    assert s.put(("a", b"queued"), b"q" * KB, pool="kv") is Status.OK  # pooled: always worth the disk
+    assert s.put(("b", b"k000"), b"other namespace") is Status.OK
+    assert s.flush() and s.stats()["disk_keys"] > 30
+    gate, real_write = __import__("threading").Event(), s.nvme.write
+    monkeypatch.setattr(s.nvme, "write", lambda p, v: gate.wait(10) and real_write(p, v))  # the demoter waits
+    monkeypatch.setattr(s, "config", dataclasses.replace(s.config, full_wait_s=0))  # FULL at once meanwhile
+    try:
+        for i in range(16):  # puts until eviction queues "queued" for the disk (FULL once the queue holds the arena)
+            if ("a", b"queued") not in s.ram.index:
+                break
+            s.put(("a", b"push%d" % i), b"x" * 10 * KB, pool="kv")
+        held = [k for k in s.keys_hottest_first() if k[0] == "a"]  # what eviction did not drop
+        assert ("a", b"queued") in held and ("a", b"queued") not in s.ram.index and len(held) > 30
+        assert s.delete_namespace("a", chunk=7) == len(held)
+    finally:
+        gate.set()
+    assert s.flush()
+    assert all(read(s, k) is None for k in held)
+    assert read(s, ("b", b"k000")) == b"other namespace"
+    assert s.delete_namespace("nothing-here") == 0
+    s.close()
+    t = tiered()  # the same directory: recovery finds tombstones, not the old values
+    assert [k for k in t.keys_hottest_first() if k[0] == "a"] == []
+    assert read(t, ("b", b"k000")) == b"other namespace"

@@ -67,3 +67,14 @@ def test_a_distrusted_log_refuses_pushes_until_the_handover_closes_and_ttl_passe
     assert not log.admit(K, lambda k: False, lambda: None) and log.touched(K)
     log.set_handover_open(False)
     assert log.admit(K, lambda k: False, lambda: None) and not log.touched(("ns", b"other"))
+
+
+def test_a_cleared_namespace_refuses_pushes_and_makes_misses_final_for_ttl():
+    clock = Clock()
+    log = TouchLog(ttl_s=30, clock=clock)
+    log.touch_namespace("ns")
+    assert log.touched(K) and not log.admit(K, lambda k: False, lambda: None)
+    assert not log.touched(("other", b"k")) and log.admit(("other", b"k"), lambda k: False, lambda: None)
+    clock.t += 100
+    log.touch(("other", b"x"))  # pruning runs on every touch
+    assert not log.touched(K) and log.admit(K, lambda k: False, lambda: None)

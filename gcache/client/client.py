@@ -26,15 +26,17 @@ from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta.master_client import MasterClient
-from gcache.meta.membership import Membership
+from gcache.meta.membership import Membership, NodeState
 from gcache.meta.rpc import CLIENT_CHANNEL_OPTIONS, load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
 from gcache.transport import Transport
 
 KeyLike = str | bytes
+CLEAR_TIMEOUT_S = 30.0  # a clear deletes a namespace's every key: longer than a batch call
+CLEAR_ROUNDS = 3  # a clear is sent again to a membership that changed meanwhile, at most this often
 
-__all__ = ["Client", "ClientConfig", "GetResult", "LocalPath", "OnNodeError", "Transport"]
+__all__ = ["ClearResult", "Client", "ClientConfig", "GetResult", "LocalPath", "OnNodeError", "Transport"]
 
 
 @dataclass
@@ -52,6 +54,20 @@ class GetResult:
 
     def ok(self) -> list[bool]:
         return [s is OK for s in self.status]
+
+
+@dataclass
+class ClearResult:
+    """Outcome of Client.clear: keys deleted per daemon that acknowledged, and why each other
+    daemon did not (unreachable, timed out, refused); those keep their keys of the namespace."""
+
+    deleted: dict[str, int]
+    failed: dict[str, str]
+
+    @property
+    def complete(self) -> bool:
+        """Every daemon of the membership acknowledged: no key of the namespace is left."""
+        return not self.failed
 
 
 def _key_bytes(key: KeyLike) -> bytes:
@@ -252,6 +268,32 @@ class Client:
         self._run(op, keys)
         return op.status
 
+    def clear(self, *, namespace: str | None = None, timeout_s: float | None = None) -> ClearResult:
+        """Delete every key of the namespace on every daemon of the current membership (all at
+        once; DOWN ones hold nothing they will serve again), again while the membership changed
+        meanwhile (a joiner may have been handed keys). ``complete`` only when each one
+        acknowledged; one that did not keeps its keys. ``timeout_s``: per round (default the
+        larger of the client's timeout and CLEAR_TIMEOUT_S)."""
+        ns = namespace or self.namespace
+        err = namespace_error(ns)
+        if err:
+            raise ValueError(err)
+        self.refresh_membership()
+        deleted: dict[str, int] = {}
+        for _ in range(CLEAR_ROUNDS):
+            epoch = self._view.epoch
+            nodes = {n.node_id: n.address for n in self.membership.nodes if n.state is not NodeState.DOWN}
+            out = self._each_node(Op.CLEAR, lambda meta: {"n": int(meta.get("n", 0))}, meta={"ns": ns},
+                                  nodes=nodes, timeout_s=timeout_s or max(self.timeout_s, CLEAR_TIMEOUT_S))
+            res = ClearResult({n: deleted.get(n, 0) + r["n"] for n, r in out.items() if "error" not in r},
+                              {n: r["error"] for n, r in out.items() if "error" in r})
+            deleted = res.deleted
+            self.refresh_membership()
+            if self._view.epoch == epoch or not res.complete:
+                return res
+        res.failed["membership"] = f"the membership changed during each of {CLEAR_ROUNDS} rounds: a joiner may hold keys"
+        return res
+
     # -- single-key forms (batches of one) --------------------------------------------------
     def put_one(self, key: KeyLike, value: Any, *, ttl_s: float = 0.0, namespace: str | None = None) -> Status:
         return self.put([key], [value], ttl_s=ttl_s, namespace=namespace)[0]
@@ -308,24 +350,34 @@ class Client:
                 self._staging = StagingPool()
             return self._staging
 
-    def _each_node(self, op: Op, pick: Callable[[dict[str, Any]], dict[str, Any]],
-                   only: str | None = None) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        for node, address in list(self._view.addr.items()):
-            if only is not None and node != only:
-                continue
+    def _each_node(self, op: Op, pick: Callable[[dict[str, Any]], dict[str, Any]], only: str | None = None,
+                   meta: dict[str, Any] | None = None, nodes: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """``op`` (with ``meta``) to each owning node (or ``nodes``: id -> address), all sent
+        before any reply is read: {node: pick(reply)}, or {node: {"error": why}}."""
+        targets = {n: a for n, a in (self._view.addr if nodes is None else nodes).items() if only in (None, n)}
+        out: dict[str, dict[str, Any]] = {n: {} for n in targets}  # in the membership's order
+        timeout = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout
+        sent = []
+        for node, address in targets.items():
             conn = None
             try:
                 conn = self._pool.get(node, address)
-                conn.send(op, {}, [], deadline, self.timeout_s)
-                meta, _ = conn.recv_reply(deadline)
-                out[node] = dict(pick(meta))
-                self._pool.put(conn)
+                conn.send(op, meta or {}, [], deadline, timeout)
+                sent.append((node, conn))
             except GCacheError as exc:
                 out[node] = {"error": str(exc)}
                 if conn is not None:
                     conn.close()
+        for node, conn in sent:
+            try:
+                reply, _ = conn.recv_reply(deadline)
+                out[node] = dict(pick(reply))
+                self._pool.put(conn)
+            except GCacheError as exc:
+                out[node] = {"error": str(exc)}
+                conn.close()
         return out
 
 

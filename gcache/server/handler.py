@@ -556,6 +556,8 @@ class Handler:
             return {"node": self.node_id, "stats": stats}
         if op is Op.EXISTS:
             return self._exists(meta)
+        if op is Op.CLEAR:
+            return self._clear(meta)
         return self._delete(meta)
 
     def _exists(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -587,6 +589,23 @@ class Handler:
         found = self.store.delete_many([(ns, k) if r is None else None for k, r in zip(keys, refused)], guard)
         return {"st": [int(r) if r is not None else guard.refused if f is None else OK if f else NOT_FOUND
                        for r, f in zip(refused, found)]}
+
+    def _clear(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Delete every key of the namespace held here, owned or not, as DELETE does each
+        (Store.delete_namespace); touched first, like a DELETE's keys: no pushed copy brings one
+        back, and a miss of one is final (gcache.server.touchlog). Stops, like a write, once its
+        client has given up (closed or reset the connection)."""
+        ns = meta.get("ns")
+        err = P.namespace_error(ns)
+        if err or not isinstance(ns, str):
+            raise Refused(ErrorCode.BAD_META, err or "bad namespace")
+        if self.agent is not None:
+            self.agent.touchlog.touch_namespace(ns)
+        guard = self.write_guard(None)  # a client that gave up: the rest is dropped, as a write's
+        n = self.store.delete_namespace(ns, guard)
+        log.info("cleared namespace %r for %s: %d keys deleted%s", ns, self._peer(), n,
+                 " (then the client gave up: stopped there)" if guard.abandoned else "")
+        return {"n": n}
 
     def _mark_final_misses(self, ns: str, keys: list, status: list[int], reply: dict[str, Any]) -> None:
         """``reply["tomb"]``: positions of misses of keys a client wrote or deleted here lately,

@@ -15,6 +15,9 @@ fall back (``touched``). Entries are kept while a handover is open in this daemo
 ``ttl_s`` after their write otherwise (a push can arrive before this daemon has heard of the
 handover). Past ``cap`` entries the log stops vouching for anything: every push is refused and
 every miss is final until it has been empty for ``ttl_s`` (a cache may forget, never lie).
+
+A client's clear of a whole namespace (``touch_namespace``) touches every key of it at once, kept
+the same way: a pushed copy of any key of it is refused, a miss of any key of it is final.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class TouchLog:
         self.ttl_s, self.cap, self._clock = ttl_s, cap, clock
         self._lock = threading.Lock()
         self._when: OrderedDict[Key, float] = OrderedDict()  # oldest first
+        self._cleared: dict[str, float] = {}  # namespace -> when a client last cleared it
         self._overflow_at: float | None = None
         self.handover_open = False
         self.refused = 0  # pushed copies not stored because a client got there first
@@ -46,16 +50,23 @@ class TouchLog:
                 self._overflow_at = now
             self._prune(now)
 
+    def touch_namespace(self, ns: str) -> None:
+        """``touch`` of every key of namespace ``ns`` (a clear), before it takes effect."""
+        now = self._clock()
+        with self._lock:
+            self._cleared[ns] = now
+            self._prune(now)
+
     def touched(self, key: Key) -> bool:
         with self._lock:
-            return self._overflowed() or key in self._when
+            return self._overflowed() or key in self._when or key[0] in self._cleared
 
     def admit(self, key: Key, present: Callable[[Key], bool], store: Callable[[], None]) -> bool:
         """Store a pushed copy (``store()``) unless a client touched the key or it is present;
         False when refused. Atomic with ``touch``: a write either precedes the check or follows
         the store (and then overwrites the pushed copy)."""
         with self._lock:
-            if self._overflowed() or key in self._when or present(key):
+            if self._overflowed() or key in self._when or key[0] in self._cleared or present(key):
                 self.refused += 1
                 return False
             store()
@@ -78,6 +89,7 @@ class TouchLog:
         """Forget every entry (the daemon dropped its data: what clients wrote before is gone)."""
         with self._lock:
             self._when.clear()
+            self._cleared.clear()
             self._overflow_at = None
 
     def __len__(self) -> int:
@@ -95,6 +107,9 @@ class TouchLog:
     def _prune(self, now: float) -> None:
         if self.handover_open:
             return
+        if self._cleared:
+            for ns in [ns for ns, t in self._cleared.items() if now - t > self.ttl_s]:
+                del self._cleared[ns]
         while self._when:
             key, t = next(iter(self._when.items()))
             if now - t <= self.ttl_s:

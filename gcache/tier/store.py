@@ -426,6 +426,19 @@ class Store:
             self.nvme.sweep()
         return out
 
+    CLEAR_CHUNK = 4096  # keys deleted per hold of the lock by delete_namespace
+
+    def delete_namespace(self, ns: str, guard: Guard | None = None, chunk: int = CLEAR_CHUNK) -> int:
+        """delete_many() of every key of namespace ``ns`` stored now (RAM, pooled or not, queued
+        for the disk, on disk), ``chunk`` keys per hold of the lock, each chunk checked by
+        ``guard``; returns how many were stored. A key written meanwhile may stay (its write is
+        newer than the clear)."""
+        keys = [k for k in self.keys_hottest_first() if k[0] == ns]
+        deleted = 0
+        for i in range(0, len(keys), chunk):
+            deleted += sum(1 for found in self.delete_many(keys[i:i + chunk], guard) if found)
+        return deleted
+
     def _delete(self, key: Key) -> bool:
         """Lock held: delete ``key``; whether it was stored."""
         found = self._forget_older(key, self._next_seq())
