@@ -49,9 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")
     p.add_argument("--eviction", default=EvictionConfig().kind.value, choices=[k.value for k in EvictionKind],
-                   help="eviction policy of untagged RAM entries: slru (new entries pass a probation list, "
-                        "ones read again or rewritten soon after eviction stay in main; scan-resistant), reuse, "
-                        "lru, or s3fifo (default %(default)s)")
+                   help="eviction policy of untagged RAM entries: reuse (values read again, or rewritten soon "
+                        "after eviction, outlive fresh ones, and only fresh ones go while reused ones hold "
+                        "under 30%% of the entries: scan-resistant), slru, lru, or s3fifo (default %(default)s)")
     p.add_argument("--no-pretouch", action="store_true",
                    help="do not pre-fault the arena at start-up (faster start, slower first writes)")
     p.add_argument("--ready-file", default=None,

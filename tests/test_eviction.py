@@ -221,7 +221,7 @@ def test_seq_ghost_ages_and_bound():
 # -- config and disk admission -----------------------------------------------------------------------
 def test_config_validation_and_parse():
     assert EvictionConfig.parse("s3fifo").kind is EvictionKind.S3FIFO
-    assert EvictionConfig().kind is EvictionKind.SLRU
+    assert EvictionConfig().kind is EvictionKind.REUSE
     with pytest.raises(ConfigError, match="choose one of"):
         EvictionConfig.parse("arc")
     for bad in ({"reused_weight": 0}, {"protect": 1.0}, {"small_fraction": 0}, {"ghost_factor": -1},
@@ -332,7 +332,7 @@ def test_store_overwrite_keeps_standing_and_a_pinned_victim_is_skipped():
 
 
 def test_store_slru_skips_a_pinned_victim():
-    s = Store(StoreConfig(mem_bytes=4 * 4 * KB))  # slru, the default
+    s = Store(StoreConfig(mem_bytes=4 * 4 * KB, eviction=EvictionConfig(EvictionKind.SLRU)))
     try:
         for i in range(4):
             assert s.put(("ns", b"k%d" % i), bytes([i]) * 4 * KB) is Status.OK

@@ -149,7 +149,7 @@ class ReplayConfig:
     capacity_fraction: float
     nvme: bool
     disk_fraction: float = 1.25
-    policy: EvictionKind = EvictionKind.SLRU
+    policy: EvictionKind = EvictionKind.REUSE
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@ to NVMe on its way out. Pure objects over keys (no bytes, no locks, no sockets),
 per operation and bounded in memory; the store's lock covers them.
 
 * ``lru``: least recently used first (what the store did before policies existed).
-* ``slru`` (the default, gcache.tier.slru): a probation LRU for entries never referenced since
+* ``slru`` (gcache.tier.slru): a probation LRU for entries never referenced since
   they were written and a main LRU for the others; a key written again soon after its eviction
   (ghost lists of hashes) enters main; the probation share of the bytes adapts to which list's
   ghosts see more marginal hits. A scan stays in probation.
-* ``reuse``: two LRU lists, *fresh* entries (never referenced since they were
+* ``reuse`` (the default): two LRU lists, *fresh* entries (never referenced since they were
   written) and *reused* ones (referenced again, or written again shortly after being evicted:
   a *ghost* list remembers the hashes of as many evicted keys as there are resident ones). The
   victim is the older of the two list heads, where a reused entry's age counts
@@ -19,12 +19,17 @@ per operation and bounded in memory; the store's lock covers them.
   reaches the head, the others are evicted into a ghost list, and a key found in the ghost list
   enters main directly. Main is a FIFO with 2-bit reference counts and reinsertion.
 
-Picked by replaying the conversation trace (``gcache bench hitrate``, bench/RESULTS.md), 12
-capacities from 1% to 100% of the working set, simulated: ``slru`` gains 1.0-3.3 points over a
-global LRU up to 10% of the working set (1.6 at 5%) and is at most 0.17 points below it (at
-20%); ``reuse`` gains 0.8-1.7 below 10% and is at most 0.33 below; ``s3fifo`` gains more below
-3% but loses up to 4.4 points from 5% on (its small FIFO forgets a conversation before its next
-turn arrives).
+Picked by replaying two public traces (``gcache bench hitrate``, bench/RESULTS.md), 12
+capacities from 1% to 100% of the working set, simulated on 3 nodes, against one global LRU.
+Mooncake's conversation trace: ``slru`` gains 1.0-3.3 points up to 10% of the working set and
+is at most 0.17 below; ``reuse`` gains 0.8-1.7 below 10% and is at most 0.33 below; ``s3fifo``
+gains more below 3% but loses up to 4.4 points from 5% on (its small FIFO forgets a conversation
+before its next turn arrives). Mooncake's synthetic trace (hot prefixes reused many times):
+``slru`` loses 3.4-4.6 points from 10% to 30% (its split starts at 0.6 for probation and adapts
+too slowly for a trace that wants 0.2; faster adaptation costs the conversation trace more than
+it gains), ``reuse`` is within 0.6 of it everywhere (3 nodes' LRUs are up to 0.7 below one
+global LRU there) and gains up to 1.1. So ``reuse`` is the default: the policy with the smallest
+worst case on both, not the best on one.
 Chain position is not used: ordering by it (deepest first among the oldest) measured no gain.
 
 Pooled entries (``--pool-budget``, gcache.tier.pools) keep their own prefix-aware order; a
@@ -77,7 +82,7 @@ class EvictionConfig:
     small_fraction (s3fifo): the small FIFO's share of the capacity, in (0, 1). ghost_factor:
     ghost entries per resident entry (reuse, s3fifo). disk: which victims go to NVMe."""
 
-    kind: EvictionKind = EvictionKind.SLRU
+    kind: EvictionKind = EvictionKind.REUSE
     reused_weight: float = 0.65
     protect: float = 0.3
     small_fraction: float = 0.1
