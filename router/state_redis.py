@@ -184,6 +184,15 @@ class RedisState(RouterState):
                 await self._resync(args=[self.ns, self.replica, *fields])
                 for spec in list(self.local.workers.values()):
                     await self.r.hsetnx(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
+                health = self.local.health  # this replica's view: health changes seen offline were not written
+                down = [w for w in self.local.workers if not health.get(w, True)]
+                up = [w for w in self.local.workers if health.get(w, True)]
+                pipe = self.r.pipeline(transaction=True)
+                if down:
+                    pipe.sadd(f"{self.ns}:down", *down)
+                if up:
+                    pipe.srem(f"{self.ns}:down", *up)
+                await pipe.execute()
                 while self._missed:
                     w, hashes = self._missed[0]
                     await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,

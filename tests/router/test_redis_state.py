@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -169,6 +171,35 @@ def test_redis_restarted_empty_while_idle_resynchronises(redis_proc, caplog):
 
 async def _hlen_is(rc, key, n):
     return await rc.hlen(key) == n
+
+
+def test_health_seen_while_redis_was_stopped_is_written_after(redis_proc):
+    """A worker marked down, Redis stopped (state kept), the worker recovers: once Redis answers
+    again it must no longer list the worker in ns:down."""
+    async def main():
+        async with replicas(redis_proc.url, n_workers=2, n_replicas=1, ns="hd") as (rurls, s, fakes, routers):
+            url, rt = rurls[0], routers[0]
+            sick = next(iter(fakes))
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                fakes[sick].healthy = False
+                await poll(lambda: rc.sismember("hd:down", sick), what="worker down in redis")
+                os.kill(redis_proc.proc.pid, signal.SIGSTOP)
+                try:
+                    await poll(lambda: _state_is(s, url, "degraded"), what="router degraded")
+                    fakes[sick].healthy = True
+                    await poll(lambda: sick not in rt.health.down, what="worker healthy again locally")
+                finally:
+                    os.kill(redis_proc.proc.pid, signal.SIGCONT)
+                await poll(lambda: _state_is(s, url, "redis"), what="router back on redis")
+
+                async def routable():
+                    return not await rc.sismember("hd:down", sick) and all(
+                        w.healthy for w in await rt.state.snapshot(()))
+                await poll(routable, timeout=3, what="redis no longer lists the recovered worker as down")
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
 
 
 def test_replica_that_lost_its_lease_rewrites_its_load(redis_proc):
