@@ -7,7 +7,10 @@ Keys (``ns`` = namespace)::
     ns:cb               HASH  f:<worker> consecutive failures, o:<worker> circuit open until (Redis time)
     ns:px:<worker>      ZSET  block hash -> last-seen time (bounded, TTL): the approximate prefix index
     ns:load:<replica>   HASH  r:<worker> in-flight requests, t:<worker> pending prefill work (ms)
-    ns:replicas         ZSET  replica id -> last heartbeat
+    ns:replicas         ZSET  replica id -> last heartbeat. A replica missing from it has no load
+                              hash (its lease expired and another replica dropped both, or Redis
+                              restarted empty): its SYNC and HEARTBEAT calls refuse to run
+                              (``LEASELOST``, 0) until it resyncs (``RESYNC`` re-adds it)
     ns:rr               INT   round-robin ticket
 """
 
@@ -46,13 +49,15 @@ end
 #   C w ok              a circuit-breaker outcome (ok = 1 success, 0 failure)
 #   R w n h1..hn        block hashes recorded while Redis was unreachable
 # Counts may go transiently negative (two calls on two connections can be applied out of
-# order); readers clamp the sums at zero.
+# order); readers clamp the sums at zero. A replica not in ns:replicas gets the error LEASELOST
+# and nothing is applied: its ops are deltas on a load hash that no longer exists.
 SYNC = (
     "local ns, me, ttl, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])\n"
     "local maxb, mode, cbf, cbo = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])\n"
     + _NOW
     + _RECORD
     + """
+if not redis.call('ZSCORE', ns .. ':replicas', me) then return redis.error_reply('LEASELOST ' .. me) end
 redis.call('ZADD', ns .. ':replicas', now, me)
 local load = ns .. ':load:' .. me
 local i, stop = 10, 9 + tonumber(ARGV[9])
@@ -157,4 +162,13 @@ return 1
 """
 )
 
-HEARTBEAT = "local ns, me = ARGV[1], ARGV[2]\n" + _NOW + "redis.call('ZADD', ns .. ':replicas', now, me)\nreturn 1"
+# ARGV: ns, replica. 1, or 0 if the replica lost its lease (then it must RESYNC)
+HEARTBEAT = (
+    "local ns, me = ARGV[1], ARGV[2]\n"
+    + _NOW
+    + """
+if not redis.call('ZSCORE', ns .. ':replicas', me) then return 0 end
+redis.call('ZADD', ns .. ':replicas', now, me)
+return 1
+"""
+)

@@ -20,13 +20,15 @@ of every replica's count, so replicas never admit past the limit together. Each 
 own ``load`` hash; after an outage it overwrites that hash with its local truth, and a
 replica that dies stops counting once its heartbeat is older than ``lease_s``. If Redis is
 unreachable every call falls back to the local mirror (``MemoryState``), the log says so
-once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchronises.
+once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchronises. If Redis
+answers but no longer holds this replica's state (it restarted empty, its scripts are gone, or
+the replica was stopped past its lease and another one dropped its load), the scripts refuse
+(``NOSCRIPT``, ``LEASELOST``, a heartbeat of 0): the same fallback, and a resync at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -58,6 +60,7 @@ from router.state_memory import MemoryState
 log = logging.getLogger("gcache.router.state")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+_NOT_A_REPLICA = "not in its replica set: it restarted empty, or this replica stalled past its lease"
 class RedisState(RouterState):
     def __init__(
         self,
@@ -95,6 +98,8 @@ class RedisState(RouterState):
         self._resync = self.r.register_script(RESYNC)
         self._heartbeat = self.r.register_script(HEARTBEAT)
         self._up = False
+        self._resync_lock = asyncio.Lock()
+        self._resync_task: asyncio.Task | None = None  # one started at once after Redis lost our state
         self._version = 0  # bumped on every local load change while degraded; guards resync races
         self._ops: list[object] = []  # changes not yet sent (SYNC op arguments)
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -125,12 +130,21 @@ class RedisState(RouterState):
         self._up = False
         self._ops.clear()  # the local truth is pushed on resync
 
+    def _forgotten(self, why: str) -> None:
+        """Redis answers but lost this replica's state (``why``): serve locally until resynced."""
+        if self._up:
+            log.warning("redis lost this replica's state (%s); serving from local state, resynchronising", why)
+        self._up = False
+        self._ops.clear()
+
     async def start(self) -> None:
         await self.try_resync()
 
     async def close(self) -> None:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
+        if self._resync_task is not None:
+            self._resync_task.cancel()
         if self._ops and self._up:
             await self._call(FLUSH, ())
         await self.fast.close()
@@ -138,17 +152,28 @@ class RedisState(RouterState):
 
     async def try_resync(self) -> bool:
         """Reconnect and push local truth to Redis; called by the heartbeat loop. True if up."""
+        async with self._resync_lock:
+            return await self._try_resync()
+
+    def _resync_soon(self) -> None:
+        if self._resync_task is None or self._resync_task.done():
+            self._resync_task = self._loop().create_task(self.try_resync())
+
+    async def _try_resync(self) -> bool:
         self.background_commands += 1
         if self._up:
             try:
-                await self._heartbeat(args=[self.ns, self.replica])
-                return True
+                if await self._heartbeat(args=[self.ns, self.replica]):
+                    return True
             except _REDIS_ERRORS as e:
                 self._lost(e)
                 return False
+            self._forgotten(_NOT_A_REPLICA)
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
             await self.fast.close()
+            if self._inflight:  # batches sent before: applied or refused before the local truth goes out
+                await asyncio.gather(*self._inflight)
             await self.r.script_load(SYNC)
             while True:
                 v = self._version
@@ -159,6 +184,15 @@ class RedisState(RouterState):
                 await self._resync(args=[self.ns, self.replica, *fields])
                 for spec in list(self.local.workers.values()):
                     await self.r.hsetnx(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
+                health = self.local.health  # this replica's view: health changes seen offline were not written
+                down = [w for w in self.local.workers if not health.get(w, True)]
+                up = [w for w in self.local.workers if health.get(w, True)]
+                pipe = self.r.pipeline(transaction=True)
+                if down:
+                    pipe.sadd(f"{self.ns}:down", *down)
+                if up:
+                    pipe.srem(f"{self.ns}:down", *up)
+                await pipe.execute()
                 while self._missed:
                     w, hashes = self._missed[0]
                     await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
@@ -233,29 +267,29 @@ class RedisState(RouterState):
                            self.prefix.max_blocks_per_worker]
         cmds = commands(batch, ops, head, b.failures, b.open_s)
         results: list | None = None
-        for attempt in (0, 1):
-            try:
-                self.pipelines += 1
-                results = await self.fast.execute(cmds)
-                err = next((r for r in results if isinstance(r, Exception)), None)
-                if err is not None:
-                    raise err
-                break
-            except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
-                results = None
-                if attempt:
-                    break
-                with contextlib.suppress(*_REDIS_ERRORS):
-                    await self.r.script_load(SYNC)
-            except _REDIS_ERRORS as e:
-                self._lost(e)
+        try:
+            self.pipelines += 1
+            results = await self.fast.execute(cmds)
+            err = next((r for r in results if isinstance(r, Exception)), None)
+            if err is not None:
+                raise err
+        except redis.exceptions.NoScriptError:  # Redis restarted (or flushed its scripts): the state may be gone
+            results = None
+            self._forgotten("it has no state script: restarted?")
+            self._keep_records(ops)
+            self._resync_soon()
+        except _REDIS_ERRORS as e:
+            self._lost(e)
+            self._keep_records(ops)
+            results = None
+        except redis.exceptions.ResponseError as e:
+            results = None
+            if str(e).startswith("LEASELOST"):  # restarted empty, or our lease expired and our load was dropped
+                self._forgotten(_NOT_A_REPLICA)
                 self._keep_records(ops)
-                results = None
-                break
-            except redis.exceptions.ResponseError as e:
+                self._resync_soon()
+            else:
                 log.error("redis refused the state script: %s", e)
-                results = None
-                break
         if results is None:
             for _, _, fut in batch:
                 if not fut.done():

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import signal
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -15,11 +18,11 @@ from tests.router.fakeworker import FakeWorker
 
 
 @contextlib.asynccontextmanager
-async def replicas(redis_url, n_workers=3, n_replicas=2, max_inflight=64, ns="t"):
+async def replicas(redis_url, n_workers=3, n_replicas=2, max_inflight=64, ns="t", **cfg_kw):
     fakes = [FakeWorker(f"w{i}") for i in range(n_workers)]
     async with contextlib.AsyncExitStack() as st:
         urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
-        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="min_ttft")
+        cfg = test_config(state=StateMode.REDIS, redis_url=redis_url, namespace=ns, policy="min_ttft", **cfg_kw)
         apps = [build_app(cfg, [WorkerSpec(u, max_inflight=max_inflight) for u in urls]) for _ in range(n_replicas)]
         rurls = [await st.enter_async_context(serve_app(a)) for a in apps]
         s = await st.enter_async_context(aiohttp.ClientSession())
@@ -75,7 +78,9 @@ def test_counters_stay_consistent_under_concurrent_load(redis_proc):
                                                  json={"prompt": conv(i), "hold": True})) for i in range(15)]
             try:
                 await poll(lambda: sum(rt.admission.depth() for rt in routers) == 6, what="six requests queued")
-                assert {u: f.active for u, f in fakes.items()} == {u: 3 for u in fakes}  # none over the limit
+                await poll(lambda: {u: f.active for u, f in fakes.items()} == {u: 3 for u in fakes},
+                           what="the nine admitted requests at the workers")  # admitted, maybe not arrived yet
+                assert sum(rt.admission.depth() for rt in routers) == 6  # none over the limit
 
                 async def agreed():  # each replica sees the other's admissions within flush_delay_s
                     snaps = [{w.name: w.inflight_requests for w in await rt.state.snapshot(())} for rt in routers]
@@ -135,6 +140,136 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
             finally:
                 await rc.aclose()
     asyncio.run(main())
+
+
+def test_redis_restarted_empty_while_idle_resynchronises(redis_proc, caplog):
+    """Redis killed and restarted empty between two heartbeats (1 s apart here): the router
+    never sees a failed call, only a Redis without its script or its replica entry. It must
+    push its workers and load back instead of reading the empty worker list as "all removed"."""
+    async def main():
+        async with replicas(redis_proc.url, n_workers=2, n_replicas=1, ns="ri",
+                            health_interval_s=1.0) as (rurls, s, fakes, routers):
+            url, state = rurls[0], routers[0].state
+            async with s.post(url + "/v1/completions", json={"prompt": conv(1)}) as r:
+                assert r.status == 200
+            caplog.set_level(logging.WARNING, "gcache.router.state")
+            redis_proc.kill()
+            redis_proc.start()
+            for i in range(2, 6):
+                async with s.post(url + "/v1/completions", json={"prompt": conv(i)}) as r:
+                    assert r.status == 200, await r.text()
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                await poll(lambda: _state_is(s, url, "redis"), what="router back on redis")
+                await poll(lambda: _hlen_is(rc, "ri:workers", 2), what="workers written back to the new Redis")
+                assert await rc.zscore("ri:replicas", state.replica) is not None
+                assert sorted(w.name for w in await state.snapshot(())) == sorted(fakes)
+                # usually seen as a Redis that lost our state; now and then the kill itself is seen
+                assert "redis lost this replica's state" in caplog.text or "redis unreachable" in caplog.text
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
+
+
+async def _hlen_is(rc, key, n):
+    return await rc.hlen(key) == n
+
+
+def test_health_seen_while_redis_was_stopped_is_written_after(redis_proc):
+    """A worker marked down, Redis stopped (state kept), the worker recovers: once Redis answers
+    again it must no longer list the worker in ns:down."""
+    async def main():
+        async with replicas(redis_proc.url, n_workers=2, n_replicas=1, ns="hd") as (rurls, s, fakes, routers):
+            url, rt = rurls[0], routers[0]
+            sick = next(iter(fakes))
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                fakes[sick].healthy = False
+                await poll(lambda: rc.sismember("hd:down", sick), what="worker down in redis")
+                os.kill(redis_proc.proc.pid, signal.SIGSTOP)
+                try:
+                    await poll(lambda: _state_is(s, url, "degraded"), what="router degraded")
+                    fakes[sick].healthy = True
+                    await poll(lambda: sick not in rt.health.down, what="worker healthy again locally")
+                finally:
+                    os.kill(redis_proc.proc.pid, signal.SIGCONT)
+                await poll(lambda: _state_is(s, url, "redis"), what="router back on redis")
+
+                async def routable():
+                    return not await rc.sismember("hd:down", sick) and all(
+                        w.healthy for w in await rt.state.snapshot(()))
+                await poll(routable, timeout=3, what="redis no longer lists the recovered worker as down")
+            finally:
+                await rc.aclose()
+    asyncio.run(main())
+
+
+def test_replica_that_lost_its_lease_rewrites_its_load(redis_proc):
+    """Replica A stalls past its lease with requests in flight: B drops A's entry and load hash
+    (what SYNC does to a replica whose heartbeat is older than lease_s; done by hand here, as
+    the lease is 10 s). A must write its load back, so B keeps to max_inflight, and A's
+    releases must not leave negative counts."""
+    async def main():
+        async with replicas(redis_proc.url, n_workers=1, max_inflight=2, ns="ll") as (rurls, s, fakes, routers):
+            (w, fake), = fakes.items()
+            a = routers[0].state.replica
+            held = [asyncio.ensure_future(s.post(rurls[0] + "/v1/completions", json={"prompt": conv(i), "hold": True}))
+                    for i in range(2)]
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                await poll(lambda: fake.active == 2, what="two requests in flight through A")
+                await rc.transaction(lambda p: _drop(p, a), f"ll:load:{a}", "ll:replicas")
+
+                async def rewritten():
+                    return await rc.hget(f"ll:load:{a}", f"r:{w}") == b"2"
+                await poll(rewritten, timeout=3, what="A's load written back")
+                b_sees = {x.name: x.inflight_requests for x in await routers[1].state.snapshot(())}
+                assert b_sees == {w: 2}
+                more = asyncio.ensure_future(s.post(rurls[1] + "/v1/completions", json={"prompt": conv(9), "hold": True}))
+                await poll(lambda: routers[1].admission.depth() == 1, what="B queues at the limit")
+                assert fake.active == 2
+                fake.gate.set()
+                assert [r.status for r in await asyncio.gather(*held, more)] == [200] * 3
+                await poll(lambda: _all_zero(rc, "ll"), what="counters back to zero, none negative")
+            finally:
+                fake.gate.set()
+                await rc.aclose()
+    asyncio.run(main())
+
+
+def test_state_call_after_lost_lease_is_refused_and_resyncs(redis_proc):
+    """Without a heartbeat loop: a SYNC call from a replica Redis no longer counts applies
+    nothing (its release would go negative on a missing hash); the call is served from the
+    local mirror and a resync starts at once."""
+    from router.config import PrefixConfig
+    from router.state_redis import RedisState
+
+    async def main():
+        st = RedisState(redis_proc.url, PrefixConfig(), namespace="ll")
+        rc = aioredis.Redis.from_url(redis_proc.url)
+        try:
+            await st.start()
+            await st.add_worker(WorkerSpec("http://w"))
+            lease = await st.acquire("http://w", 64, 5, ())
+            assert lease is not None
+            await st._call(0, ())
+            assert await rc.hget(f"ll:load:{st.replica}", "r:http://w") == b"1"
+            await rc.transaction(lambda p: _drop(p, st.replica), f"ll:load:{st.replica}", "ll:replicas")
+            await st.release(lease)
+            view = await st.snapshot(())  # refused (LEASELOST): the local mirror answers
+            assert [(w.name, w.inflight_requests) for w in view] == [("http://w", 0)]
+            await poll(lambda: not st.degraded, what="resynchronised")
+            assert await rc.hget(f"ll:load:{st.replica}", "r:http://w") == b"0"
+        finally:
+            await st.close()
+            await rc.aclose()
+    asyncio.run(main())
+
+
+async def _drop(pipe, replica):
+    pipe.multi()
+    pipe.delete(f"ll:load:{replica}")
+    pipe.zrem("ll:replicas", replica)
 
 
 async def _state_is(s, url, want):
