@@ -117,6 +117,8 @@ class Admission:
                     await self.state.release(w.fut.result()[0])  # granted just as we gave up
 
     async def release(self, lease: Lease) -> None:
+        if lease.probe is not None:
+            self.state.drop_probe(lease.worker, lease.probe)
         await self.state.release(lease)
         if self.depth():
             await self.pump()
@@ -167,8 +169,14 @@ class Admission:
             d = p.decision
             assert d is not None  # ROUTED
             limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
+            token = object()
+            if not self.state.take_probe(d.worker, token):
+                continue  # its circuit is half-open and the probe is in flight: the next snapshot says so
             lease = await self.state.acquire(d.worker, limit, p.work_ms, req.hashes)
-            if lease is not None:
+            if lease is None:
+                self.state.drop_probe(d.worker, token)
+            else:
+                lease.probe = token
                 self.metrics.routed(self.policy.name, d.reason.value, req.n_tokens,
                                     req.n_tokens - p.uncached_tokens)
                 return p, (lease, d)

@@ -195,6 +195,8 @@ class Router:
                 extra = [b"X-Gcache-Worker: %s\r\n" % self.worker_id(worker).encode()] if cfg.worker_header else []
                 res = await forward(self.upstream, req, conn, self.target(worker), self.timeouts, extra,
                                     functools.partial(self.state.prefill_done, lease))
+                # before the release: a half-open circuit's probe token goes with its outcome
+                await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
             except NeverReached as e:
                 failure = str(e)
                 tried.add(worker)
@@ -205,7 +207,6 @@ class Router:
                 continue
             finally:
                 await self.admission.release(lease)
-            await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
             return res.response, res.status
         return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error"), 502
 
