@@ -9,6 +9,10 @@ a 413 (declared or chunked), a request not complete within ``request_timeout_s``
 first byte a 408, a malformed request a 400; each of these answers, then closes the
 connection. Idle keep-alive connections close after ``keepalive_s``. Timers are one sweep
 per server (``sweep_s``), not one per request.
+
+A client that closes its side of the connection (EOF, or a reset) has given up, as nginx
+assumes: requests queued behind the one being answered are dropped, ``gone()`` resolves and the
+work in ``guard()`` (the upstream exchange) is cancelled.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 import httptools
 
@@ -28,6 +32,7 @@ log = logging.getLogger("gcache.router.http")
 
 _MAX_QUEUED = 16  # pipelined requests parsed ahead of the one being answered
 Handler = Callable[[Request, "HttpConnection"], Awaitable[Response | None]]
+T = TypeVar("T")
 
 
 class HttpConnection(asyncio.Protocol):
@@ -46,6 +51,8 @@ class HttpConnection(asyncio.Protocol):
         self._paused_reading = False
         self._drain: asyncio.Future | None = None
         self._write_paused = False
+        self._gone: asyncio.Future | None = None  # resolved when the client closes
+        self._guarded: asyncio.Task | None = None  # cancelled when the client closes
         # the request being parsed
         self._in_msg = False
         self._started = 0.0
@@ -81,9 +88,15 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._stopped = True
+        self._queue.clear()
         self.server.conns.discard(self)
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
+        if self._gone is not None and not self._gone.done():
+            self._gone.set_result(None)
+        if self._guarded is not None:
+            self._guarded.cancel()
+            self._guarded = None
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -110,12 +123,10 @@ class HttpConnection(asyncio.Protocol):
                 self._refuse(431, f"request head exceeds {self.limits.max_head_bytes} bytes")
 
     def eof_received(self) -> bool | None:
-        if self._linger_since is not None:
-            return False  # the client has read our last answer and closed: close
-        self._stopped = True  # half-closed: answer what is queued, then close
-        if not self._busy and not self._queue and self.transport is not None:
-            self.transport.close()
-        return True
+        # the client closed (or half-closed) its side: it will not read what it asked for, or
+        # has read our last answer; close (connection_lost cancels whatever is in flight)
+        self._stopped = True
+        return False
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -275,6 +286,32 @@ class HttpConnection(asyncio.Protocol):
         """The streamed answer cannot be completed: close without a terminating chunk."""
         self._keep_alive = False
         self._close()
+
+    def gone(self) -> asyncio.Future:
+        """A future resolved once the client has closed the connection."""
+        if self._gone is None:
+            self._gone = self.server.loop.create_future()
+            if self.closed:
+                self._gone.set_result(None)
+        return self._gone
+
+    async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` in this task, cancelled if the client closes the connection meanwhile;
+        then ConnectionResetError. Only code that is safe to cancel (no shared-state I/O) belongs here."""
+        if self.closed:
+            coro.close()
+            raise ConnectionResetError("the client closed the connection")
+        task = asyncio.current_task()
+        self._guarded = task
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self.closed and task is not None and task.uncancel() == 0:  # our cancel, not a shutdown's
+                raise ConnectionResetError("the client closed the connection") from None
+            raise
+        finally:
+            if self._guarded is task:
+                self._guarded = None
 
     async def drain(self) -> None:
         if self.closed:

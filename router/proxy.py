@@ -182,7 +182,7 @@ class Router:
         failure = ""
         for _ in range(cfg.retries + 1):
             try:
-                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens)
+                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens, conn.gone)
             except Rejected as e:
                 if tried:
                     return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
@@ -193,8 +193,9 @@ class Router:
             worker = decision.worker
             try:
                 extra = [b"X-Gcache-Worker: %s\r\n" % self.worker_id(worker).encode()] if cfg.worker_header else []
-                res = await forward(self.upstream, req, conn, self.target(worker), self.timeouts, extra,
-                                    functools.partial(self.state.prefill_done, lease))
+                # a client that leaves aborts the upstream exchange (ConnectionResetError)
+                res = await conn.guard(forward(self.upstream, req, conn, self.target(worker), self.timeouts,
+                                               extra, functools.partial(self.state.prefill_done, lease)))
                 # before the release: a half-open circuit's probe token goes with its outcome
                 await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
             except NeverReached as e:

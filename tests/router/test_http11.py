@@ -9,8 +9,8 @@ import contextlib
 import json
 
 from router.config import WorkerSpec
-from router.proxy import build_app
-from tests.router.conftest import serve_app, test_config
+from router.proxy import APP_KEY, build_app
+from tests.router.conftest import poll, serve_app, test_config
 from tests.router.fakeworker import FakeWorker
 
 
@@ -20,6 +20,24 @@ async def router(**cfg):
     async with serve_app(fake.app()) as wurl, serve_app(build_app(test_config(**cfg), [WorkerSpec(wurl)])) as url:
         host, port = url.removeprefix("http://").split(":")
         yield host, int(port), fake
+
+
+@contextlib.asynccontextmanager
+async def router_with(spec=None, **cfg):
+    """``router`` that also yields the Router; ``spec``: WorkerSpec fields of the one worker."""
+    fake = FakeWorker("w0")
+    async with serve_app(fake.app()) as wurl:
+        app = build_app(test_config(**cfg), [WorkerSpec(wurl, **(spec or {}))])
+        async with serve_app(app) as url:
+            host, port = url.removeprefix("http://").split(":")
+            try:
+                yield host, int(port), fake, app[APP_KEY]
+            finally:
+                fake.gate.set()  # nothing held at teardown, even when the test failed
+
+
+async def inflight(r) -> int:
+    return sum(w.inflight_requests for w in await r.state.snapshot(()))
 
 
 def post(body: bytes, path: str = "/v1/completions", extra: bytes = b"") -> bytes:
@@ -182,3 +200,50 @@ def test_expect_100_continue_is_honoured():
             assert status == 200 and fake.bodies[-1] == body
             writer.close()
     asyncio.run(main())
+
+
+def test_a_queued_request_whose_client_left_is_never_forwarded():
+    async def main():
+        async with router_with({"max_inflight": 1}) as (host, port, fake, r):
+            first = await asyncio.open_connection(host, port)
+            first[1].write(post(b'{"prompt": "first", "hold": true}'))
+            await poll(lambda: fake.active == 1, what="the first request at the worker")
+            ghosts = []
+            for i in range(3):
+                ghosts.append(await asyncio.open_connection(host, port))
+                ghosts[-1][1].write(post(b'{"prompt": "ghost %d"}' % i))
+            await poll(lambda: r.admission.depth() == 3, what="three requests queued")
+            for _, w in ghosts:
+                w.close()  # their clients give up
+            await poll(lambda: r.admission.depth() == 0, timeout=3, what="the queue empties as the clients leave")
+            fake.gate.set()
+            assert (await read_response(first[0]))[0] == 200
+            await still_alive(host, port)
+            assert [json.loads(b)["prompt"] for b in fake.bodies] == ["first", "still alive"]
+            first[1].close()
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_aborts_its_upstream_request_and_frees_the_slot():
+    async def main():
+        async with router_with() as (host, port, fake, r):
+            # non-streamed: the worker holds the answer
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(post(b'{"prompt": "x", "hold": true}'))
+            await poll(lambda: fake.active == 1, what="the request at the worker")
+            writer.close()
+            await poll(lambda: _is(inflight(r), 0), timeout=3, what="the slot freed when the client left")
+            # streamed: the client leaves between two events
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(post(b'{"prompt": "y", "stream": true, "chunks": 3, "gate": true}'))
+            assert b"200 OK" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            await asyncio.wait_for(reader.readuntil(b"\n\n"), 10)  # the first event
+            assert await inflight(r) == 1
+            writer.close()
+            await poll(lambda: _is(inflight(r), 0), timeout=3, what="the stream's slot freed when the client left")
+            await still_alive(host, port)
+    asyncio.run(main())
+
+
+async def _is(coro, v) -> bool:
+    return await coro == v
