@@ -22,7 +22,7 @@ import aiohttp
 
 from router.admin import Admin
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
+from router.config import RouterConfig, StateMode, WorkerSpec, check_unique_workers, worker_id
 from router.forward import NeverReached, Target, Timeouts, forward
 from router.health import HealthChecker
 from router.http11 import HttpConnection, HttpServer
@@ -53,6 +53,7 @@ class Router:
     """One replica: state, policy, admission, health checks and an HTTP client."""
 
     def __init__(self, cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState | None = None) -> None:
+        check_unique_workers(workers)
         self.cfg = cfg
         self.initial_workers = workers
         if state is None:
@@ -214,7 +215,11 @@ class Router:
     def target(self, worker: str) -> Target:
         t = self._targets.get(worker)
         if t is None:
-            t = self._targets[worker] = Target.of(worker)
+            try:
+                t = Target.of(worker)
+            except ValueError as e:  # a URL no check let through (e.g. written to Redis by an older replica)
+                raise NeverReached(f"unusable worker URL: {e}") from None
+            self._targets[worker] = t
         return t
 
     # -- admin, health, metrics -----------------------------------------------------------
