@@ -7,7 +7,9 @@ streams through the connection (``write_head`` / ``write_chunk`` / ``write_eof``
 Protection: a head larger than ``max_head_bytes`` is a 431, a body over ``max_body_bytes``
 a 413 (declared or chunked), a request not complete within ``request_timeout_s`` of its
 first byte a 408, a malformed request a 400; each of these answers, then closes the
-connection. Idle keep-alive connections close after ``keepalive_s``. Timers are one sweep
+connection. Backpressure: while the client does not read (the transport's write buffer is over
+its high-water mark) no further request is read or answered; at most ``_MAX_QUEUED`` parsed
+requests wait behind the one being answered. Idle keep-alive connections close after ``keepalive_s``. Timers are one sweep
 per server (``sweep_s``), not one per request.
 
 A client that closes its side of the connection (EOF, or a reset) has given up, as nginx
@@ -48,7 +50,8 @@ class HttpConnection(asyncio.Protocol):
         self._busy = False  # a task is answering the queue
         self._stopped = False  # no more requests are read (a refused one, or the client's close)
         self._refused = False
-        self._paused_reading = False
+        self._paused_reading = False  # the transport's reading is paused (see _sync_reading)
+        self._queue_full = False  # too many parsed requests wait: read no more until half are answered
         self._drain: asyncio.Future | None = None
         self._write_paused = False
         self._gone: asyncio.Future | None = None  # resolved when the client closes
@@ -100,11 +103,23 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._sync_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._sync_reading()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+
+    def _sync_reading(self) -> None:
+        """Read while the client reads our answers and the queue has room."""
+        paused = self._queue_full or self._write_paused
+        if paused != self._paused_reading and self.transport is not None and not self.closed:
+            self._paused_reading = paused
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._stopped:
@@ -185,9 +200,9 @@ class HttpConnection(asyncio.Protocol):
         body = self._body
         req.body = body[0] if len(body) == 1 else b"".join(body)
         self._push(req)
-        if len(self._queue) > _MAX_QUEUED and not self._paused_reading and self.transport is not None:
-            self._paused_reading = True
-            self.transport.pause_reading()
+        if len(self._queue) > _MAX_QUEUED and not self._queue_full:
+            self._queue_full = True
+            self._sync_reading()
 
     # -- answering ----------------------------------------------------------------------
     def _refuse(self, status: int, message: str, req: Request | None = None) -> None:
@@ -214,9 +229,9 @@ class HttpConnection(asyncio.Protocol):
         try:
             while self._queue:
                 req = self._queue.popleft()
-                if self._paused_reading and len(self._queue) <= _MAX_QUEUED // 2 and self.transport is not None:
-                    self._paused_reading = False
-                    self.transport.resume_reading()
+                if self._queue_full and len(self._queue) <= _MAX_QUEUED // 2:
+                    self._queue_full = False
+                    self._sync_reading()
                 self._http11 = req.version == "1.1"
                 self._keep_alive = req.keep_alive and self._http11  # HTTP/1.0: one request per connection
                 self._chunked = False
@@ -230,6 +245,13 @@ class HttpConnection(asyncio.Protocol):
                     resp = json_error(500, "internal router error; see the router's log", "internal_error")
                 if resp is not None:
                     self.write_response(resp)
+                if self._write_paused and not self.closed:
+                    # the client is not reading: answer nothing more until it does (or give up)
+                    try:
+                        await asyncio.wait_for(self.drain(), self.limits.keepalive_s)
+                    except (ConnectionResetError, TimeoutError):
+                        self._close()
+                        return
                 if self.closed:
                     return
                 if not self._keep_alive:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 
 from router.config import WorkerSpec
-from router.proxy import APP_KEY, build_app
+from router.proxy import build_app
 from tests.router.conftest import poll, serve_app, test_config
 from tests.router.fakeworker import FakeWorker
 
@@ -24,14 +25,14 @@ async def router(**cfg):
 
 @contextlib.asynccontextmanager
 async def router_with(spec=None, **cfg):
-    """``router`` that also yields the Router; ``spec``: WorkerSpec fields of the one worker."""
+    """``router`` that also yields the RouterApp; ``spec``: WorkerSpec fields of the one worker."""
     fake = FakeWorker("w0")
     async with serve_app(fake.app()) as wurl:
         app = build_app(test_config(**cfg), [WorkerSpec(wurl, **(spec or {}))])
         async with serve_app(app) as url:
             host, port = url.removeprefix("http://").split(":")
             try:
-                yield host, int(port), fake, app[APP_KEY]
+                yield host, int(port), fake, app
             finally:
                 fake.gate.set()  # nothing held at teardown, even when the test failed
 
@@ -204,7 +205,8 @@ def test_expect_100_continue_is_honoured():
 
 def test_a_queued_request_whose_client_left_is_never_forwarded():
     async def main():
-        async with router_with({"max_inflight": 1}) as (host, port, fake, r):
+        async with router_with({"max_inflight": 1}) as (host, port, fake, app):
+            r = app.router
             first = await asyncio.open_connection(host, port)
             first[1].write(post(b'{"prompt": "first", "hold": true}'))
             await poll(lambda: fake.active == 1, what="the first request at the worker")
@@ -226,7 +228,8 @@ def test_a_queued_request_whose_client_left_is_never_forwarded():
 
 def test_a_client_that_leaves_aborts_its_upstream_request_and_frees_the_slot():
     async def main():
-        async with router_with() as (host, port, fake, r):
+        async with router_with() as (host, port, fake, app):
+            r = app.router
             # non-streamed: the worker holds the answer
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(post(b'{"prompt": "x", "hold": true}'))
@@ -247,3 +250,28 @@ def test_a_client_that_leaves_aborts_its_upstream_request_and_frees_the_slot():
 
 async def _is(coro, v) -> bool:
     return await coro == v
+
+
+def test_a_client_that_pipelines_and_never_reads_is_not_answered_ahead():
+    async def main():
+        async with router_with() as (host, port, fake, app):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            n = 40
+            writer.write(b"".join(post(b'{"prompt": "p%d", "pad": 500000}' % i) for i in range(n)))
+            conn = next(iter(await poll(lambda: app.server.conns, what="the connection accepted")))
+            # the router either answers all (and buffers them) or waits for the client to read
+            await poll(lambda: fake.served == n or (conn._drain is not None and not conn._drain.done()),
+                       what="every answer written, or the router waiting for the client")
+            assert conn._paused_reading  # and reads no more requests meanwhile
+            buffered = conn.transport.get_write_buffer_size()
+            assert fake.served < n - 5 and buffered < 2 * 500_000, (fake.served, buffered)
+            for i in range(n):  # the client reads at last: every answer, in order
+                status, _, body = await read_response(reader)
+                assert status == 200 and json.loads(body)["pad"] == "x" * 500000
+            assert [json.loads(b)["prompt"] for b in fake.bodies] == [f"p{i}" for i in range(n)]
+            writer.close()
+    asyncio.run(main())
+
