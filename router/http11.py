@@ -63,7 +63,8 @@ class HttpConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_len = 0
-        self._head_len = 0
+        self._head_len = 0  # bytes received while the head was incomplete (a head that never ends)
+        self._head_size = 0  # the parsed head: URL and header lines (checked when it completes)
         self._headers_done = False
         self._req: Request | None = None
         self.idle_since = 0.0
@@ -152,17 +153,23 @@ class HttpConnection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._head_len = 0
+        self._head_size = 0
         self._headers_done = False
         self._req = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
+        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        if self._head_size > self.limits.max_head_bytes:  # a head that ended in the read that crossed the limit
+            self._refuse(431, f"request head exceeds {self.limits.max_head_bytes} bytes")
+            return
         p = self.parser
         try:
             u = httptools.parse_url(self._url)

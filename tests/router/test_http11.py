@@ -149,6 +149,23 @@ def test_a_huge_head_is_a_431_without_buffering_it_all():
     asyncio.run(main())
 
 
+def test_a_head_over_the_limit_is_a_431_even_when_one_read_completes_it():
+    async def main():
+        async with router() as (host, port, fake):
+            raw = post(b'{"prompt": "x"}', extra=b"X-Big: " + b"a" * 70_000 + b"\r\n")
+            for pieces in ([raw], [raw[i:i + 32768] for i in range(0, len(raw), 32768)]):
+                reader, writer = await asyncio.open_connection(host, port)
+                for p in pieces:
+                    writer.write(p)
+                    await writer.drain()
+                status, _, body = await read_response(reader)
+                assert status == 431 and "request head exceeds" in json.loads(body)["error"]["message"]
+                writer.close()
+            await still_alive(host, port)
+            assert fake.served == 1  # only the still-alive request
+    asyncio.run(main())
+
+
 def test_a_slow_client_head_times_out_with_408_and_a_vanishing_client_costs_nothing():
     async def main():
         async with router(client_body_timeout_s=0.3) as (host, port, fake):
