@@ -128,8 +128,9 @@ class Router:
         path = req.path
         if path in _LLM:
             if req.reject is None and req.method != "POST":
-                resp: Response | None = error(405, f"method {req.method} not allowed on {path}")
-                return resp
+                self.metrics.count_request(path, 405)
+                return error(405, f"method {req.method} not allowed on {path}")
+            resp: Response | None
             try:
                 resp, status = await self._handle_llm(req, conn)
             except ConnectionResetError:
