@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from router.config import WorkerSpec, check_unique_workers, worker_id
+from router.config import WorkerSpec, check_workers, worker_id
 from router.http_messages import Request, Response, json_error, json_response
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ class Admin:
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             return json_error(400, f"bad worker: {e}", "invalid_request_error")
         try:  # the same URL again replaces its spec; another worker's id is refused
-            check_unique_workers([*(w for w in self.router.state.known_specs() if w.name != spec.name), spec])
+            check_workers([*(w for w in self.router.state.known_specs() if w.name != spec.name), spec],
+                          len(self.router.cfg.buckets.ranges))
         except ValueError as e:
             return json_error(400, f"bad worker: {e}", "invalid_request_error")
         await self.router.state.add_worker(spec)

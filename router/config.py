@@ -79,11 +79,14 @@ def check_worker_url(url: object) -> None:
            f"worker url {url!r}: the path must be printable ASCII without spaces")
 
 
-def check_unique_workers(workers: Iterable[WorkerSpec]) -> None:
-    """No worker listed twice (same URL) and no two workers with the same explicit id."""
+def check_workers(workers: Iterable[WorkerSpec], n_buckets: int) -> None:
+    """A fleet the router can use: no worker listed twice (same URL), no two workers with the same
+    explicit id, every bucket one of the ``n_buckets`` configured."""
     urls: set[str] = set()
     ids: dict[str, str] = {}
     for w in workers:
+        _check(w.bucket is None or w.bucket < n_buckets,
+               f"worker {w.name!r}: bucket {w.bucket} is not one of the {n_buckets} configured (0-{n_buckets - 1})")
         _check(w.name not in urls, f"worker {w.name!r} is listed twice")
         urls.add(w.name)
         if w.id:

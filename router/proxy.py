@@ -22,7 +22,7 @@ import aiohttp
 
 from router.admin import Admin
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, StateMode, WorkerSpec, check_unique_workers, worker_id
+from router.config import RouterConfig, StateMode, WorkerSpec, check_workers, worker_id
 from router.forward import NeverReached, Target, Timeouts, forward
 from router.health import HealthChecker
 from router.http11 import HttpConnection, HttpServer
@@ -53,7 +53,7 @@ class Router:
     """One replica: state, policy, admission, health checks and an HTTP client."""
 
     def __init__(self, cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState | None = None) -> None:
-        check_unique_workers(workers)
+        check_workers(workers, len(cfg.buckets.ranges))
         self.cfg = cfg
         self.initial_workers = workers
         if state is None:

@@ -122,6 +122,8 @@ def test_unusable_worker_specs_are_refused_at_config_load():
         build_app(test_config(), [WorkerSpec("http://127.0.0.1:1"), WorkerSpec("http://127.0.0.1:1/")])
     with pytest.raises(ValueError, match="worker id 'a'"):
         build_app(test_config(), [WorkerSpec("http://127.0.0.1:1", id="a"), WorkerSpec("http://127.0.0.1:2", id="a")])
+    with pytest.raises(ValueError, match="bucket 3 is not one of the 3 configured"):
+        build_app(test_config(), [WorkerSpec("http://127.0.0.1:1", bucket=3)])
     WorkerSpec("http://[::1]:8000/engine1")  # an IPv6 address and a path prefix are fine
 
 
@@ -131,7 +133,8 @@ def test_admin_refuses_unusable_workers_with_the_reason():
             async with s.post(url + "/admin/workers", json={"url": urls[1], "id": "second"}, headers=ADMIN) as r:
                 assert r.status == 201  # the same URL again: its spec is replaced
             bad = [{"url": u} for u in BAD_URLS] + [
-                {"url": "http://127.0.0.1:1", "speed": 1e999}, {"url": "http://127.0.0.1:1", "id": "second"}]
+                {"url": "http://127.0.0.1:1", "speed": 1e999}, {"url": "http://127.0.0.1:1", "id": "second"},
+                {"url": "http://127.0.0.1:1", "bucket": 3}]
             for body in bad:
                 async with s.post(url + "/admin/workers", data=json.dumps(body), headers=ADMIN) as r:
                     msg = (await r.json())["error"]["message"]
