@@ -124,7 +124,8 @@ class RouterState(abc.ABC):
     def take_probe(self, worker: str, token: object) -> bool:
         """May a request be sent to ``worker`` now? While its circuit is half-open only one
         request at a time may (the probe, holding ``token`` until its outcome is recorded or
-        ``drop_probe``). Backends without a local breaker let every request through."""
+        ``drop_probe``). This default lets every request through (the Redis backend's breaker
+        lives in Redis and has no probe token yet)."""
         return True
 
     def drop_probe(self, worker: str, token: object) -> None:
