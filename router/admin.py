@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from router.config import WorkerSpec, worker_id
+from router.config import WorkerSpec, check_workers, worker_id
 from router.http_messages import Request, Response, json_error, json_response
 
 if TYPE_CHECKING:
@@ -55,6 +55,11 @@ class Admin:
         try:
             spec = WorkerSpec.from_dict(request.json())  # type: ignore[arg-type]  # from_dict checks it
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+            return json_error(400, f"bad worker: {e}", "invalid_request_error")
+        try:  # the same URL again replaces its spec; another worker's id is refused
+            check_workers([*(w for w in self.router.state.known_specs() if w.name != spec.name), spec],
+                          len(self.router.cfg.buckets.ranges))
+        except ValueError as e:
             return json_error(400, f"bad worker: {e}", "invalid_request_error")
         await self.router.state.add_worker(spec)
         self.router.forget_ids()

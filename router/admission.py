@@ -43,6 +43,7 @@ class _Waiter:
     since: float = 0.0
     exclude: frozenset[str] = frozenset()
     l3_tokens: int = 0
+    gone: asyncio.Future | None = None  # resolved when the client went away
 
 
 class Admission:
@@ -69,9 +70,10 @@ class Admission:
         return sum(len(q) for q in self.queues.values())
 
     async def admit(self, req: ParsedRequest, exclude: frozenset[str] = frozenset(),
-                    l3_tokens: int = 0) -> tuple[Lease, Decision]:
+                    l3_tokens: int = 0, gone: Callable[[], asyncio.Future] | None = None) -> tuple[Lease, Decision]:
         """A lease on a worker for ``req``, not one in ``exclude``; ``l3_tokens`` of its prefix any
-        worker can load from the shared L3 tier. Raises Rejected (503) when none frees up in time."""
+        worker can load from the shared L3 tier. Raises Rejected (503) when none frees up in time,
+        ConnectionResetError when the future ``gone()`` (the client left) resolves while it waits."""
         if req.media_keys and not exclude:
             got = await self._try_encoder(req)
             if got is not None:
@@ -92,21 +94,27 @@ class Admission:
         if q.full():
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
-        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens)
+        w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens,
+                    gone() if gone is not None else None)
         handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
         await self.pump()
         ok = False
         try:
-            got = await asyncio.wait_for(asyncio.shield(w.fut), self.cfg.queue.max_wait_s)
-            ok = True
-            return cast(tuple[Lease, Decision], got)
-        except TimeoutError:
+            waits = {w.fut} if w.gone is None else {w.fut, w.gone}
+            await asyncio.wait(waits, timeout=self.cfg.queue.max_wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if w.fut.done():
+                got = w.fut.result()  # or the Rejected the pump set
+                ok = True
+                return cast(tuple[Lease, Decision], got)
+            if w.gone is not None and w.gone.done():
+                self.metrics.rejected.labels("client_gone").inc()
+                raise ConnectionResetError("the client closed the connection while its request waited")
             self.metrics.rejected.labels("queue_timeout").inc()
             raise Rejected(503, "queue_timeout",
                            f"no worker slot freed within {self.cfg.queue.max_wait_s:g}s; retry later",
-                           retry_after=max(1.0, self.cfg.queue.max_wait_s / 4)) from None
+                           retry_after=max(1.0, self.cfg.queue.max_wait_s / 4))
         finally:
             if q.cancel(handle):
                 self.metrics.queue_depth.set(self.depth())
@@ -114,9 +122,11 @@ class Admission:
                 if not w.fut.done():
                     w.fut.cancel()
                 elif not w.fut.cancelled() and w.fut.exception() is None:
-                    await self.state.release(w.fut.result()[0])  # granted just as we gave up
+                    await self.release(w.fut.result()[0])  # granted just as we gave up
 
     async def release(self, lease: Lease) -> None:
+        if lease.probe is not None:
+            self.state.drop_probe(lease.worker, lease.probe)
         await self.state.release(lease)
         if self.depth():
             await self.pump()
@@ -135,7 +145,7 @@ class Admission:
                 bucket = min(heads, key=lambda h: h[0])[1]  # (length bucket, model)
                 q = self.queues[bucket]
                 w = q.peek()
-                if w is None or w.fut.done():
+                if w is None or w.fut.done() or (w.gone is not None and w.gone.done()):
                     q.pop()
                     continue
                 p, got = await self._try(w.req, w.exclude, w.l3_tokens)
@@ -167,8 +177,14 @@ class Admission:
             d = p.decision
             assert d is not None  # ROUTED
             limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
+            token = object()
+            if not self.state.take_probe(d.worker, token):
+                continue  # its circuit is half-open and the probe is in flight: the next snapshot says so
             lease = await self.state.acquire(d.worker, limit, p.work_ms, req.hashes)
-            if lease is not None:
+            if lease is None:
+                self.state.drop_probe(d.worker, token)
+            else:
+                lease.probe = token
                 self.metrics.routed(self.policy.name, d.reason.value, req.n_tokens,
                                     req.n_tokens - p.uncached_tokens)
                 return p, (lease, d)

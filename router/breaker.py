@@ -2,8 +2,9 @@
 
 CLOSED: requests flow; ``failures`` consecutive failures (5xx answers, timeouts, broken
 connections) open the circuit. OPEN: the worker gets no requests for ``open_s`` seconds.
-Then HALF-OPEN: requests flow again; the next success closes the circuit, the next failure
-opens it for another ``open_s``. The state backends keep one ``Circuit`` per worker
+Then HALF-OPEN: one request at a time is let through (the probe, ``take_probe``); its success
+closes the circuit, its failure opens it for another ``open_s``. A probe that ends with no
+outcome (the client left) hands the token back (``drop_probe``). The state backends keep one ``Circuit`` per worker
 (the Redis backend keeps the same two numbers in Redis, so every replica shares them).
 """
 
@@ -28,11 +29,30 @@ class BreakerConfig:
 class Circuit:
     fails: int = 0  # consecutive failures
     open_until: float = 0.0  # no requests before this time
+    probe: object = None  # half-open: the one probe request in flight (its lease)
 
     def is_open(self, now: float) -> bool:
-        return now < self.open_until
+        """No request may be sent now: open, or half-open with its probe in flight."""
+        return now < self.open_until or self.probe is not None
+
+    def half_open(self, now: float) -> bool:
+        return self.open_until > 0 and now >= self.open_until
+
+    def take_probe(self, now: float, owner: object) -> bool:
+        """May ``owner`` be sent now? In the half-open state only the first caller gets True
+        until the probe's outcome is recorded (or it drops the probe)."""
+        if self.is_open(now):
+            return False
+        if self.half_open(now):
+            self.probe = owner
+        return True
+
+    def drop_probe(self, owner: object) -> None:
+        if self.probe is owner:
+            self.probe = None
 
     def record(self, ok: bool, now: float, cfg: BreakerConfig) -> None:
+        self.probe = None
         if ok:
             self.fails = 0
             self.open_until = 0.0

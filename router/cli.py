@@ -174,7 +174,7 @@ def serve(a: argparse.Namespace) -> int:
         return 2
     try:
         app = build_app(cfg, workers)
-    except ValueError as e:  # a tokenizer or chat template that does not load
+    except ValueError as e:  # a tokenizer or chat template that does not load, workers that clash
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.access_log:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import ipaddress
+import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from router.breaker import BreakerConfig
 from router.cost import PrefillCost
@@ -38,6 +43,55 @@ class QueueOrder(enum.Enum):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def check_worker_url(url: object) -> None:
+    """A worker URL the proxy can use: ``http://HOST[:PORT][/PATH]``, HOST a DNS name or an IP
+    address, PORT 1-65535; PATH is a prefix of every route sent to the worker. Raises ValueError."""
+    _check(isinstance(url, str), f"worker url must be a string, got {url!r}")
+    assert isinstance(url, str)
+    _check(not url.startswith("https://"),
+           f"worker url {url!r}: https:// is not supported (the router speaks plain HTTP to workers; "
+           "put a TLS-terminating proxy next to the worker, or use http://)")
+    _check(url.startswith("http://"), f"worker url must start with http://, got {url!r}")
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"worker url {url!r} is not usable: {e}") from None
+    host = u.hostname or ""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"worker url {url!r}: {host!r} is not an IPv6 address") from None
+    else:
+        _check(_HOSTNAME.fullmatch(host) is not None,
+               f"worker url {url!r} needs a host name or IP address (letters, digits, '.', '-', '_')")
+    _check(port is None or port > 0, f"worker url {url!r}: port must be 1-65535")
+    _check(u.username is None and u.password is None, f"worker url {url!r}: credentials in the URL are not supported")
+    _check(not u.query and not u.fragment and "?" not in url and "#" not in url,
+           f"worker url {url!r}: no query or fragment; a path prefix is allowed")
+    _check(not any(c.isspace() or ord(c) < 0x21 or ord(c) > 0x7e for c in u.path),
+           f"worker url {url!r}: the path must be printable ASCII without spaces")
+
+
+def check_workers(workers: Iterable[WorkerSpec], n_buckets: int) -> None:
+    """A fleet the router can use: no worker listed twice (same URL), no two workers with the same
+    explicit id, every bucket one of the ``n_buckets`` configured."""
+    urls: set[str] = set()
+    ids: dict[str, str] = {}
+    for w in workers:
+        _check(w.bucket is None or w.bucket < n_buckets,
+               f"worker {w.name!r}: bucket {w.bucket} is not one of the {n_buckets} configured (0-{n_buckets - 1})")
+        _check(w.name not in urls, f"worker {w.name!r} is listed twice")
+        urls.add(w.name)
+        if w.id:
+            _check(w.id not in ids, f"worker id {w.id!r} is given to both {ids.get(w.id)!r} and {w.name!r}")
+            ids[w.id] = w.name
 
 
 @dataclass(frozen=True)
@@ -208,14 +262,12 @@ class WorkerSpec:
     kv_topic: str = ""
 
     def __post_init__(self) -> None:
-        _check(
-            self.url.startswith(("http://", "https://")),
-            f"worker url must start with http:// or https://, got {self.url!r}",
-        )
+        check_worker_url(self.url)
         _check(self.role in ("llm", "encoder"), f"worker role must be 'llm' or 'encoder', got {self.role!r}")
         _check(self.bucket is None or self.bucket >= 0, f"worker bucket must be >= 0, got {self.bucket}")
         _check(self.max_inflight > 0, f"max_inflight must be > 0, got {self.max_inflight}")
-        _check(self.speed > 0, f"worker speed must be > 0, got {self.speed}")
+        _check(isinstance(self.speed, (int, float)) and math.isfinite(self.speed) and self.speed > 0,
+               f"worker speed must be a finite number > 0, got {self.speed}")
         _check(isinstance(self.models, tuple) and all(isinstance(m, str) and m for m in self.models),
                "worker models must be a tuple of non-empty strings")
         _check(isinstance(self.id, str) and len(self.id) <= 64 and "/" not in self.id and ":" not in self.id,

@@ -48,15 +48,18 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a worker URL points: the pool key and the Host header."""
+    """Where a worker URL points: the pool key, the Host header and the path prefix of every
+    route (``http://host:port/engine1`` is sent ``POST /engine1/v1/completions``)."""
 
     key: tuple[str, int]
     host: bytes
+    path: bytes = b""
 
     @classmethod
     def of(cls, url: str) -> Target:
-        u = urlsplit(url)
-        return cls((u.hostname or "127.0.0.1", u.port or 80), u.netloc.encode("latin-1"))
+        u = urlsplit(url)  # WorkerSpec checked it: http://, a host, a port in range
+        return cls((u.hostname or "127.0.0.1", u.port or 80), u.netloc.encode("latin-1"),
+                   u.path.rstrip("/").encode("latin-1"))
 
 
 @dataclass
@@ -68,8 +71,8 @@ class Forwarded:
 
 def request_bytes(req: Request, target: Target) -> bytes:
     """The upstream request: the client's own headers minus hop-by-hop ones, the body as sent."""
-    parts = [b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
-             % (req.path_qs.encode("utf-8", "surrogateescape"), target.host, len(req.body))]
+    parts = [b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
+             % (target.path, req.path_qs.encode("utf-8", "surrogateescape"), target.host, len(req.body))]
     for k, v in req.headers:
         if k.lower() not in HOP_HEADERS:
             parts.append(b"%s: %s\r\n" % (k, v))

@@ -7,8 +7,14 @@ streams through the connection (``write_head`` / ``write_chunk`` / ``write_eof``
 Protection: a head larger than ``max_head_bytes`` is a 431, a body over ``max_body_bytes``
 a 413 (declared or chunked), a request not complete within ``request_timeout_s`` of its
 first byte a 408, a malformed request a 400; each of these answers, then closes the
-connection. Idle keep-alive connections close after ``keepalive_s``. Timers are one sweep
+connection. Backpressure: while the client does not read (the transport's write buffer is over
+its high-water mark) no further request is read or answered; at most ``_MAX_QUEUED`` parsed
+requests wait behind the one being answered. Idle keep-alive connections close after ``keepalive_s``. Timers are one sweep
 per server (``sweep_s``), not one per request.
+
+A client that closes its side of the connection (EOF, or a reset) has given up, as nginx
+assumes: requests queued behind the one being answered are dropped, ``gone()`` resolves and the
+work in ``guard()`` (the upstream exchange) is cancelled.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 import httptools
 
@@ -28,6 +34,7 @@ log = logging.getLogger("gcache.router.http")
 
 _MAX_QUEUED = 16  # pipelined requests parsed ahead of the one being answered
 Handler = Callable[[Request, "HttpConnection"], Awaitable[Response | None]]
+T = TypeVar("T")
 
 
 class HttpConnection(asyncio.Protocol):
@@ -43,9 +50,12 @@ class HttpConnection(asyncio.Protocol):
         self._busy = False  # a task is answering the queue
         self._stopped = False  # no more requests are read (a refused one, or the client's close)
         self._refused = False
-        self._paused_reading = False
+        self._paused_reading = False  # the transport's reading is paused (see _sync_reading)
+        self._queue_full = False  # too many parsed requests wait: read no more until half are answered
         self._drain: asyncio.Future | None = None
         self._write_paused = False
+        self._gone: asyncio.Future | None = None  # resolved when the client closes
+        self._guarded: asyncio.Task | None = None  # cancelled when the client closes
         # the request being parsed
         self._in_msg = False
         self._started = 0.0
@@ -53,7 +63,8 @@ class HttpConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_len = 0
-        self._head_len = 0
+        self._head_len = 0  # bytes received while the head was incomplete (a head that never ends)
+        self._head_size = 0  # the parsed head: URL and header lines (checked when it completes)
         self._headers_done = False
         self._req: Request | None = None
         self.idle_since = 0.0
@@ -81,17 +92,35 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._stopped = True
+        self._queue.clear()
         self.server.conns.discard(self)
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
+        if self._gone is not None and not self._gone.done():
+            self._gone.set_result(None)
+        if self._guarded is not None:
+            self._guarded.cancel()
+            self._guarded = None
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._sync_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._sync_reading()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+
+    def _sync_reading(self) -> None:
+        """Read while the client reads our answers and the queue has room."""
+        paused = self._queue_full or self._write_paused
+        if paused != self._paused_reading and self.transport is not None and not self.closed:
+            self._paused_reading = paused
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._stopped:
@@ -110,12 +139,10 @@ class HttpConnection(asyncio.Protocol):
                 self._refuse(431, f"request head exceeds {self.limits.max_head_bytes} bytes")
 
     def eof_received(self) -> bool | None:
-        if self._linger_since is not None:
-            return False  # the client has read our last answer and closed: close
-        self._stopped = True  # half-closed: answer what is queued, then close
-        if not self._busy and not self._queue and self.transport is not None:
-            self.transport.close()
-        return True
+        # the client closed (or half-closed) its side: it will not read what it asked for, or
+        # has read our last answer; close (connection_lost cancels whatever is in flight)
+        self._stopped = True
+        return False
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -126,17 +153,23 @@ class HttpConnection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._head_len = 0
+        self._head_size = 0
         self._headers_done = False
         self._req = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
+        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        if self._head_size > self.limits.max_head_bytes:  # a head that ended in the read that crossed the limit
+            self._refuse(431, f"request head exceeds {self.limits.max_head_bytes} bytes")
+            return
         p = self.parser
         try:
             u = httptools.parse_url(self._url)
@@ -174,9 +207,9 @@ class HttpConnection(asyncio.Protocol):
         body = self._body
         req.body = body[0] if len(body) == 1 else b"".join(body)
         self._push(req)
-        if len(self._queue) > _MAX_QUEUED and not self._paused_reading and self.transport is not None:
-            self._paused_reading = True
-            self.transport.pause_reading()
+        if len(self._queue) > _MAX_QUEUED and not self._queue_full:
+            self._queue_full = True
+            self._sync_reading()
 
     # -- answering ----------------------------------------------------------------------
     def _refuse(self, status: int, message: str, req: Request | None = None) -> None:
@@ -203,9 +236,9 @@ class HttpConnection(asyncio.Protocol):
         try:
             while self._queue:
                 req = self._queue.popleft()
-                if self._paused_reading and len(self._queue) <= _MAX_QUEUED // 2 and self.transport is not None:
-                    self._paused_reading = False
-                    self.transport.resume_reading()
+                if self._queue_full and len(self._queue) <= _MAX_QUEUED // 2:
+                    self._queue_full = False
+                    self._sync_reading()
                 self._http11 = req.version == "1.1"
                 self._keep_alive = req.keep_alive and self._http11  # HTTP/1.0: one request per connection
                 self._chunked = False
@@ -219,6 +252,13 @@ class HttpConnection(asyncio.Protocol):
                     resp = json_error(500, "internal router error; see the router's log", "internal_error")
                 if resp is not None:
                     self.write_response(resp)
+                if self._write_paused and not self.closed:
+                    # the client is not reading: answer nothing more until it does (or give up)
+                    try:
+                        await asyncio.wait_for(self.drain(), self.limits.keepalive_s)
+                    except (ConnectionResetError, TimeoutError):
+                        self._close()
+                        return
                 if self.closed:
                     return
                 if not self._keep_alive:
@@ -275,6 +315,32 @@ class HttpConnection(asyncio.Protocol):
         """The streamed answer cannot be completed: close without a terminating chunk."""
         self._keep_alive = False
         self._close()
+
+    def gone(self) -> asyncio.Future:
+        """A future resolved once the client has closed the connection."""
+        if self._gone is None:
+            self._gone = self.server.loop.create_future()
+            if self.closed:
+                self._gone.set_result(None)
+        return self._gone
+
+    async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` in this task, cancelled if the client closes the connection meanwhile;
+        then ConnectionResetError. Only code that is safe to cancel (no shared-state I/O) belongs here."""
+        if self.closed:
+            coro.close()
+            raise ConnectionResetError("the client closed the connection")
+        task = asyncio.current_task()
+        self._guarded = task
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self.closed and task is not None and task.uncancel() == 0:  # our cancel, not a shutdown's
+                raise ConnectionResetError("the client closed the connection") from None
+            raise
+        finally:
+            if self._guarded is task:
+                self._guarded = None
 
     async def drain(self) -> None:
         if self.closed:

@@ -22,7 +22,7 @@ import aiohttp
 
 from router.admin import Admin
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, StateMode, WorkerSpec, worker_id
+from router.config import RouterConfig, StateMode, WorkerSpec, check_workers, worker_id
 from router.forward import NeverReached, Target, Timeouts, forward
 from router.health import HealthChecker
 from router.http11 import HttpConnection, HttpServer
@@ -53,6 +53,7 @@ class Router:
     """One replica: state, policy, admission, health checks and an HTTP client."""
 
     def __init__(self, cfg: RouterConfig, workers: list[WorkerSpec], state: RouterState | None = None) -> None:
+        check_workers(workers, len(cfg.buckets.ranges))
         self.cfg = cfg
         self.initial_workers = workers
         if state is None:
@@ -127,8 +128,9 @@ class Router:
         path = req.path
         if path in _LLM:
             if req.reject is None and req.method != "POST":
-                resp: Response | None = error(405, f"method {req.method} not allowed on {path}")
-                return resp
+                self.metrics.count_request(path, 405)
+                return error(405, f"method {req.method} not allowed on {path}")
+            resp: Response | None
             try:
                 resp, status = await self._handle_llm(req, conn)
             except ConnectionResetError:
@@ -182,7 +184,7 @@ class Router:
         failure = ""
         for _ in range(cfg.retries + 1):
             try:
-                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens)
+                lease, decision = await self.admission.admit(parsed, frozenset(tried), l3_tokens, conn.gone)
             except Rejected as e:
                 if tried:
                     return error(502, f"no worker could be reached ({failure}); tried {len(tried)}",
@@ -193,8 +195,11 @@ class Router:
             worker = decision.worker
             try:
                 extra = [b"X-Gcache-Worker: %s\r\n" % self.worker_id(worker).encode()] if cfg.worker_header else []
-                res = await forward(self.upstream, req, conn, self.target(worker), self.timeouts, extra,
-                                    functools.partial(self.state.prefill_done, lease))
+                # a client that leaves aborts the upstream exchange (ConnectionResetError)
+                res = await conn.guard(forward(self.upstream, req, conn, self.target(worker), self.timeouts,
+                                               extra, functools.partial(self.state.prefill_done, lease)))
+                # before the release: a half-open circuit's probe token goes with its outcome
+                await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
             except NeverReached as e:
                 failure = str(e)
                 tried.add(worker)
@@ -205,14 +210,17 @@ class Router:
                 continue
             finally:
                 await self.admission.release(lease)
-            await self.state.record_outcome(worker, res.ok)  # no I/O for a success on a clean record
             return res.response, res.status
         return error(502, f"no worker could be reached ({failure}); tried {len(tried)}", "upstream_error"), 502
 
     def target(self, worker: str) -> Target:
         t = self._targets.get(worker)
         if t is None:
-            t = self._targets[worker] = Target.of(worker)
+            try:
+                t = Target.of(worker)
+            except ValueError as e:  # a URL no check let through (e.g. written to Redis by an older replica)
+                raise NeverReached(f"unusable worker URL: {e}") from None
+            self._targets[worker] = t
         return t
 
     # -- admin, health, metrics -----------------------------------------------------------

@@ -4,7 +4,9 @@ Pure. Understands OpenAI ``/v1/completions`` (``prompt``), ``/v1/chat/completion
 (``messages``, text and multimodal parts) and SGLang ``/generate`` (``text`` or
 ``input_ids``, ``image_data``/``audio_data``/``video_data``). Token ids are hashed
 in blocks of ``block_tokens``; text in chunks of ``block_tokens * chars_per_token``
-characters, with tokens estimated as ``len(text) / chars_per_token``.
+characters, with tokens estimated as ``len(text) / chars_per_token``. A batch (a list of
+prompts: ``prompt``, ``text``, or ``input_ids`` as a list of token lists) is routed by its
+longest prompt, the one that decides which workers can take it.
 """
 
 from __future__ import annotations
@@ -79,10 +81,7 @@ def parse_request(path: str, body: object, cfg: PrefixConfig, tok: Tokenization 
                 return r.from_ids(ids)
         return r.from_text(text)
     if path.endswith("/completions"):
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]  # batch: route by the first prompt
-        return r.from_prompt(prompt, "prompt")
+        return r.from_batch(body.get("prompt"), "prompt")
     # SGLang /generate
     for k in ("image_data", "audio_data", "video_data"):
         v = body.get(k)
@@ -90,14 +89,20 @@ def parse_request(path: str, body: object, cfg: PrefixConfig, tok: Tokenization 
             if isinstance(item, str) and item:
                 r.media.append(_media_key(item))
     if "input_ids" in body:
-        return r.from_prompt(body["input_ids"], "input_ids")
-    return r.from_prompt(body.get("text"), "text")
+        return r.from_batch(body["input_ids"], "input_ids")
+    return r.from_batch(body.get("text"), "text")
 
 
 class _Req:
     def __init__(self, cfg: PrefixConfig, tok: Tokenization | None, stream: bool, model: str | None) -> None:
         self.cfg, self.tok, self.stream, self.model = cfg, tok, stream, model
         self.media: list[str] = []
+
+    def from_batch(self, prompt: object, name: str) -> ParsedRequest:
+        """One prompt, or a batch of them (a list of strings or of token lists): the longest."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return max((self.from_prompt(p, name) for p in prompt), key=lambda r: r.n_tokens)
+        return self.from_prompt(prompt, name)
 
     def from_prompt(self, prompt: object, name: str) -> ParsedRequest:
         if isinstance(prompt, str):

@@ -49,6 +49,7 @@ class Lease:
     work_ms: int
     prefilled: bool = False
     released: bool = False
+    probe: object = None  # the half-open circuit's probe token this request holds, if any
 
 
 @dataclass
@@ -119,6 +120,16 @@ class RouterState(abc.ABC):
     @abc.abstractmethod
     async def record_outcome(self, worker: str, ok: bool) -> None:
         """Feed the worker's circuit breaker: a success, or a failure (5xx, timeout, broken connection)."""
+
+    def take_probe(self, worker: str, token: object) -> bool:
+        """May a request be sent to ``worker`` now? While its circuit is half-open only one
+        request at a time may (the probe, holding ``token`` until its outcome is recorded or
+        ``drop_probe``). This default lets every request through (the Redis backend's breaker
+        lives in Redis and has no probe token yet)."""
+        return True
+
+    def drop_probe(self, worker: str, token: object) -> None:
+        """The probe holding ``token`` ended without an outcome: the next request probes."""
 
     @abc.abstractmethod
     async def forget_prefixes(self, worker: str) -> None:

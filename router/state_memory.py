@@ -44,6 +44,15 @@ class MemoryState(RouterState):
         if worker in self.workers:
             self.circuits.setdefault(worker, Circuit()).record(ok, self.clock(), self.breaker)
 
+    def take_probe(self, worker: str, token: object) -> bool:
+        c = self.circuits.get(worker)
+        return c is None or c.take_probe(self.clock(), token)
+
+    def drop_probe(self, worker: str, token: object) -> None:
+        c = self.circuits.get(worker)
+        if c is not None:
+            c.drop_probe(token)
+
     def circuit_open(self, worker: str, now: float) -> bool:
         c = self.circuits.get(worker)
         return c is not None and c.is_open(now)

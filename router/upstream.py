@@ -264,6 +264,8 @@ class UpstreamPool:
         except OSError as e:  # the message names no address: it may reach a client
             why = os.strerror(e.errno) if e.errno else type(e).__name__
             raise Unreached(f"connect failed: {why}") from None
+        except ValueError as e:  # an address the resolver or socket refuses (UnicodeError included)
+            raise Unreached(f"connect failed: {type(e).__name__}") from None
         return proto
 
     async def post(self, key: tuple[str, int], data: bytes, first_byte_timeout_s: float) -> UpstreamConn:

@@ -4,6 +4,7 @@ it served (text chunks) and reports cached tokens like SGLang/vLLM do.
 Test controls, in the request body (ignored by the router, forwarded byte-exact):
   "fail": 500        answer with that status and a JSON error
   "hold": true       wait until POST /release before answering
+  "pad": 100000      add that many bytes to the (non-streamed) answer
   "chunks": 3        with "stream": true, send that many SSE events; between events
                      wait for POST /release when "gate" is true
 Every answer includes the sha256 of the body the worker received.
@@ -103,6 +104,7 @@ class FakeWorker:
             return web.json_response({
                 "worker": self.name, "sha256": digest,
                 "usage": {"prompt_tokens_details": {"cached_tokens": cached}},
+                **({"pad": "x" * int(body["pad"])} if body.get("pad") else {}),
             })
         finally:
             self.active -= 1

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
+import pytest
+from aiohttp import web
 
 from router.config import WorkerSpec
-from router.proxy import build_app
+from router.proxy import APP_KEY, build_app
 from tests.router.conftest import ADMIN, serve_app, test_config, url_of, wid
 from tests.router.fakeworker import FakeWorker
 
@@ -96,4 +99,80 @@ def test_clients_never_see_a_worker_url():
             assert "127.0.0.1" not in metrics and wid(dead) in metrics
         async with fleet([()]) as (url, s, urls), s.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
             assert r.headers["X-Gcache-Worker"] == wid(urls[0]) and urls[0] not in r.headers.values()
+    asyncio.run(main())
+
+
+BAD_URLS = {
+    "http://127.0.0.1:99999": "(?i)port", "http://127.0.0.1:abc": "(?i)port", "http://[::1": "IPv6",
+    "http://a b:80": "host name", "http://:80": "host name", "https://127.0.0.1:1": "https:// is not supported",
+    "http://127.0.0.1:1/?x=1": "query", "http://u:p@127.0.0.1:1": "credentials", "localhost:1": "http://",
+}
+
+
+def test_unusable_worker_specs_are_refused_at_config_load():
+    for bad, why in BAD_URLS.items():
+        with pytest.raises(ValueError, match=why):
+            WorkerSpec(bad)
+    for speed in (float("inf"), float("nan"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="speed"):
+            WorkerSpec("http://127.0.0.1:1", speed=speed)
+    with pytest.raises(ValueError, match="speed"):
+        WorkerSpec.from_dict({"url": "http://127.0.0.1:1", "speed": 1e999})
+    with pytest.raises(ValueError, match="listed twice"):
+        build_app(test_config(), [WorkerSpec("http://127.0.0.1:1"), WorkerSpec("http://127.0.0.1:1/")])
+    with pytest.raises(ValueError, match="worker id 'a'"):
+        build_app(test_config(), [WorkerSpec("http://127.0.0.1:1", id="a"), WorkerSpec("http://127.0.0.1:2", id="a")])
+    with pytest.raises(ValueError, match="bucket 3 is not one of the 3 configured"):
+        build_app(test_config(), [WorkerSpec("http://127.0.0.1:1", bucket=3)])
+    WorkerSpec("http://[::1]:8000/engine1")  # an IPv6 address and a path prefix are fine
+
+
+def test_admin_refuses_unusable_workers_with_the_reason():
+    async def main():
+        async with fleet([(), ()]) as (url, s, urls):
+            async with s.post(url + "/admin/workers", json={"url": urls[1], "id": "second"}, headers=ADMIN) as r:
+                assert r.status == 201  # the same URL again: its spec is replaced
+            bad = [{"url": u} for u in BAD_URLS] + [
+                {"url": "http://127.0.0.1:1", "speed": 1e999}, {"url": "http://127.0.0.1:1", "id": "second"},
+                {"url": "http://127.0.0.1:1", "bucket": 3}]
+            for body in bad:
+                async with s.post(url + "/admin/workers", data=json.dumps(body), headers=ADMIN) as r:
+                    msg = (await r.json())["error"]["message"]
+                    assert r.status == 400 and msg.startswith("bad worker: "), (body, r.status, msg)
+            async with s.get(url + "/admin/workers", headers=ADMIN) as r:
+                assert sorted(w["url"] for w in (await r.json())["workers"]) == sorted(urls)
+            for i in range(6):
+                async with s.post(url + "/v1/completions", json={"prompt": f"still routed {i}"}) as r:
+                    assert r.status == 200
+    asyncio.run(main())
+
+
+def test_a_worker_url_path_is_kept_when_proxying():
+    async def main():
+        fake = FakeWorker("p")
+        outer = web.Application()
+        outer.add_subapp("/engine1", fake.app())
+        async with serve_app(outer) as wurl:
+            app = build_app(test_config(), [WorkerSpec(wurl + "/engine1/")])
+            async with serve_app(app) as url, aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 200 and (await r.json())["worker"] == "p"
+                async with s.post(url + "/generate", json={"text": "y"}) as r:
+                    assert r.status == 200
+                assert fake.served == 2
+    asyncio.run(main())
+
+
+def test_a_worker_url_the_proxy_cannot_use_is_a_retryable_failure_not_a_500():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl:
+            app = build_app(test_config(), [WorkerSpec(wurl)])
+            async with serve_app(app) as url, aiohttp.ClientSession() as s:
+                bad = WorkerSpec("http://127.0.0.1:1", speed=1e6)  # every request's first choice
+                object.__setattr__(bad, "url", "http://127.0.0.1:99999")  # as an older replica may have stored it
+                await app[APP_KEY].state.add_worker(bad)
+                for i in range(4):
+                    async with s.post(url + "/v1/completions", json={"prompt": f"q{i}"}) as r:
+                        assert r.status == 200 and url_of(r, [wurl]) == wurl
     asyncio.run(main())

@@ -95,6 +95,53 @@ def test_breaker_counts_timeouts_in_memory_mode():
     asyncio.run(main())
 
 
+def test_half_open_circuit_lets_one_probe_through_at_a_time():
+    async def main():
+        async with fleet(breaker=BreakerConfig(failures=2, open_s=0.3), retries=0) as (
+                urls, s, (burl, bad), (gurl, good), routers):
+            bad.fail_status = 500
+            for i in range(2):
+                async with s.post(urls[0] + "/v1/completions", json={"prompt": f"q{i}"}) as r:
+                    assert r.status == 500
+            state = routers[0].state
+            await poll(lambda: not state.circuit_open(burl, state.clock()), what="the circuit half-open")
+            bad.fail_status = 0
+
+            async def one(i):
+                async with s.post(urls[0] + "/v1/completions", json={"prompt": f"p{i}", "hold": True}) as r:
+                    return r.status, r.headers["X-Gcache-Worker"]
+            reqs = [asyncio.ensure_future(one(i)) for i in range(4)]
+            try:
+                await poll(lambda: bad.active + good.active == 4, what="all four requests at a worker")
+                assert bad.active == 1  # the probe; the others went to the slow-on-paper worker
+                assert state.circuit_open(burl, state.clock())  # while the probe is in flight
+            finally:
+                bad.gate.set()
+                good.gate.set()
+            got = await asyncio.gather(*reqs)
+            assert sorted(w for _, w in got) == sorted([wid(burl)] + [wid(gurl)] * 3)
+            assert all(st == 200 for st, _ in got)
+            assert not state.circuit_open(burl, state.clock()) and state.circuits[burl].fails == 0
+    asyncio.run(main())
+
+
+def test_half_open_probe_failure_reopens_and_a_dropped_probe_frees_the_token():
+    cfg = BreakerConfig(failures=1, open_s=10)
+    c = Circuit()
+    c.record(False, 0, cfg)
+    a, b = object(), object()
+    assert not c.take_probe(5, a)  # open
+    assert c.take_probe(10, a) and not c.take_probe(10, b)  # half-open: one probe
+    c.drop_probe(b)  # not b's to drop
+    assert c.is_open(10)
+    c.drop_probe(a)  # the probe ended with no outcome
+    assert c.take_probe(11, b)
+    c.record(False, 12, cfg)  # the probe failed: open again for open_s
+    assert c.is_open(21.9) and not c.take_probe(21.9, a) and c.take_probe(22, a)
+    c.record(True, 23, cfg)
+    assert not c.is_open(23) and c.take_probe(23, b) and c.take_probe(23, a)  # closed
+
+
 async def matched(router, worker):
     hashes = parse_request("/v1/completions", {"prompt": CONV}, router.cfg.prefix).hashes
     return {w.name: w.matched_blocks for w in await router.state.snapshot(hashes)}[worker]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 
 from router.config import WorkerSpec
 from router.proxy import build_app
-from tests.router.conftest import serve_app, test_config
+from tests.router.conftest import poll, serve_app, test_config
 from tests.router.fakeworker import FakeWorker
 
 
@@ -20,6 +21,24 @@ async def router(**cfg):
     async with serve_app(fake.app()) as wurl, serve_app(build_app(test_config(**cfg), [WorkerSpec(wurl)])) as url:
         host, port = url.removeprefix("http://").split(":")
         yield host, int(port), fake
+
+
+@contextlib.asynccontextmanager
+async def router_with(spec=None, **cfg):
+    """``router`` that also yields the RouterApp; ``spec``: WorkerSpec fields of the one worker."""
+    fake = FakeWorker("w0")
+    async with serve_app(fake.app()) as wurl:
+        app = build_app(test_config(**cfg), [WorkerSpec(wurl, **(spec or {}))])
+        async with serve_app(app) as url:
+            host, port = url.removeprefix("http://").split(":")
+            try:
+                yield host, int(port), fake, app
+            finally:
+                fake.gate.set()  # nothing held at teardown, even when the test failed
+
+
+async def inflight(r) -> int:
+    return sum(w.inflight_requests for w in await r.state.snapshot(()))
 
 
 def post(body: bytes, path: str = "/v1/completions", extra: bytes = b"") -> bytes:
@@ -130,6 +149,23 @@ def test_a_huge_head_is_a_431_without_buffering_it_all():
     asyncio.run(main())
 
 
+def test_a_head_over_the_limit_is_a_431_even_when_one_read_completes_it():
+    async def main():
+        async with router() as (host, port, fake):
+            raw = post(b'{"prompt": "x"}', extra=b"X-Big: " + b"a" * 70_000 + b"\r\n")
+            for pieces in ([raw], [raw[i:i + 32768] for i in range(0, len(raw), 32768)]):
+                reader, writer = await asyncio.open_connection(host, port)
+                for p in pieces:
+                    writer.write(p)
+                    await writer.drain()
+                status, _, body = await read_response(reader)
+                assert status == 431 and "request head exceeds" in json.loads(body)["error"]["message"]
+                writer.close()
+            await still_alive(host, port)
+            assert fake.served == 1  # only the still-alive request
+    asyncio.run(main())
+
+
 def test_a_slow_client_head_times_out_with_408_and_a_vanishing_client_costs_nothing():
     async def main():
         async with router(client_body_timeout_s=0.3) as (host, port, fake):
@@ -182,3 +218,77 @@ def test_expect_100_continue_is_honoured():
             assert status == 200 and fake.bodies[-1] == body
             writer.close()
     asyncio.run(main())
+
+
+def test_a_queued_request_whose_client_left_is_never_forwarded():
+    async def main():
+        async with router_with({"max_inflight": 1}) as (host, port, fake, app):
+            r = app.router
+            first = await asyncio.open_connection(host, port)
+            first[1].write(post(b'{"prompt": "first", "hold": true}'))
+            await poll(lambda: fake.active == 1, what="the first request at the worker")
+            ghosts = []
+            for i in range(3):
+                ghosts.append(await asyncio.open_connection(host, port))
+                ghosts[-1][1].write(post(b'{"prompt": "ghost %d"}' % i))
+            await poll(lambda: r.admission.depth() == 3, what="three requests queued")
+            for _, w in ghosts:
+                w.close()  # their clients give up
+            await poll(lambda: r.admission.depth() == 0, timeout=3, what="the queue empties as the clients leave")
+            fake.gate.set()
+            assert (await read_response(first[0]))[0] == 200
+            await still_alive(host, port)
+            assert [json.loads(b)["prompt"] for b in fake.bodies] == ["first", "still alive"]
+            first[1].close()
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_aborts_its_upstream_request_and_frees_the_slot():
+    async def main():
+        async with router_with() as (host, port, fake, app):
+            r = app.router
+            # non-streamed: the worker holds the answer
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(post(b'{"prompt": "x", "hold": true}'))
+            await poll(lambda: fake.active == 1, what="the request at the worker")
+            writer.close()
+            await poll(lambda: _is(inflight(r), 0), timeout=3, what="the slot freed when the client left")
+            # streamed: the client leaves between two events
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(post(b'{"prompt": "y", "stream": true, "chunks": 3, "gate": true}'))
+            assert b"200 OK" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            await asyncio.wait_for(reader.readuntil(b"\n\n"), 10)  # the first event
+            assert await inflight(r) == 1
+            writer.close()
+            await poll(lambda: _is(inflight(r), 0), timeout=3, what="the stream's slot freed when the client left")
+            await still_alive(host, port)
+    asyncio.run(main())
+
+
+async def _is(coro, v) -> bool:
+    return await coro == v
+
+
+def test_a_client_that_pipelines_and_never_reads_is_not_answered_ahead():
+    async def main():
+        async with router_with() as (host, port, fake, app):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            n = 40
+            writer.write(b"".join(post(b'{"prompt": "p%d", "pad": 500000}' % i) for i in range(n)))
+            conn = next(iter(await poll(lambda: app.server.conns, what="the connection accepted")))
+            # the router either answers all (and buffers them) or waits for the client to read
+            await poll(lambda: fake.served == n or (conn._drain is not None and not conn._drain.done()),
+                       what="every answer written, or the router waiting for the client")
+            assert conn._paused_reading  # and reads no more requests meanwhile
+            buffered = conn.transport.get_write_buffer_size()
+            assert fake.served < n - 5 and buffered < 2 * 500_000, (fake.served, buffered)
+            for i in range(n):  # the client reads at last: every answer, in order
+                status, _, body = await read_response(reader)
+                assert status == 200 and json.loads(body)["pad"] == "x" * 500000
+            assert [json.loads(b)["prompt"] for b in fake.bodies] == [f"p{i}" for i in range(n)]
+            writer.close()
+    asyncio.run(main())
+

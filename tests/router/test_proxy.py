@@ -271,3 +271,27 @@ def test_media_requests_stick_to_one_encoder():
             async with s.post(url + "/v1/completions", json={"prompt": "text only"}) as r:
                 assert r.headers["X-Gcache-Worker"] == wid(lurl)
     asyncio.run(main())
+
+
+def test_a_batch_is_routed_by_its_longest_prompt_in_every_sglang_form():
+    async def main():
+        short, long = FakeWorker("short"), FakeWorker("long")
+        cfg = test_config(buckets=BucketConfig(((0, 100), (100, 1 << 30))))
+        async with serve_app(short.app()) as surl, serve_app(long.app()) as lurl:
+            app = build_app(cfg, [WorkerSpec(surl, bucket=0), WorkerSpec(lurl, bucket=1)])
+            async with serve_app(app) as url, aiohttp.ClientSession() as s:
+                big = "x" * 4000  # ~1000 tokens: bucket 1
+                for path, body in [("/v1/completions", {"prompt": ["hi", big]}),
+                                   ("/v1/completions", {"prompt": [[1, 2], list(range(500))]}),
+                                   ("/generate", {"text": ["hi", big]}),
+                                   ("/generate", {"input_ids": [[1, 2], list(range(500))]})]:
+                    async with s.post(url + path, json=body) as r:
+                        assert r.status == 200, (path, await r.text())
+                        assert url_of(r, [surl, lurl]) == lurl, (path, body.keys())
+                for path, body in [("/v1/completions", {"prompt": ["hi", "there"]}),
+                                   ("/generate", {"input_ids": [[1, 2], [3]]})]:
+                    async with s.post(url + path, json=body) as r:
+                        assert r.status == 200 and url_of(r, [surl, lurl]) == surl
+                async with s.post(url + "/generate", json={"text": ["hi", 3]}) as r:
+                    assert r.status == 400
+    asyncio.run(main())

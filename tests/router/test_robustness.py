@@ -61,6 +61,18 @@ def test_malformed_inputs_are_clear_4xx_and_counted():
     asyncio.run(main())
 
 
+def test_a_wrong_method_on_an_llm_route_is_counted():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for([WorkerSpec(wurl)]) as (url, s, _):
+            for path in ("/v1/completions", "/generate"):
+                async with s.get(url + path) as r:
+                    assert r.status == 405
+            assert await metric(s, url, 'gcache_router_requests_total{route="/v1/completions",status="405"}') == 1
+            assert await metric(s, url, 'gcache_router_requests_total{route="/generate",status="405"}') == 1
+    asyncio.run(main())
+
+
 def test_a_body_shorter_than_its_content_length_times_out_with_408():
     async def main():
         fake = FakeWorker("w0")
