@@ -106,6 +106,7 @@ class RedisState(RouterState):
         self._missed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=10_000)
         self._others: dict[str, int] = {}  # other replicas' in-flight requests per worker, last seen
         self._fails: dict[str, int] = {}  # breaker failure counts, last seen
+        self._bad_specs: set[str] = set()  # workers in redis whose spec this replica refuses (logged once)
         self.errors = 0
         self.resyncs = 0
         # Redis commands by purpose. A request makes one (its snapshot; a second, the strict
@@ -301,8 +302,15 @@ class RedisState(RouterState):
         out = []
         for i, (name_b, spec_json, reqs, work, down, fails, is_open) in enumerate(rows):
             name = name_b.decode()
-            if name not in self.local.workers:
-                self.local.add_worker_sync(WorkerSpec.from_dict(json.loads(spec_json)))  # learnt from another replica
+            if name not in self.local.workers:  # learnt from another replica
+                try:
+                    spec = WorkerSpec.from_dict(json.loads(spec_json))
+                except (ValueError, TypeError, KeyError) as e:  # json errors are ValueErrors
+                    if name not in self._bad_specs:
+                        self._bad_specs.add(name)
+                        log.error("ignoring worker %s from redis: its spec is not valid here (%s)", name, e)
+                    continue
+                self.local.add_worker_sync(spec)
             r = max(0, int(reqs))
             self._others[name] = r
             self._fails[name] = int(fails)

@@ -142,6 +142,28 @@ def test_redis_outage_keeps_serving_then_resynchronises(redis_proc):
     asyncio.run(main())
 
 
+def test_a_worker_spec_in_redis_this_replica_refuses_is_skipped(redis_proc, caplog):
+    """A spec another (older) replica stored that this one's checks refuse (here https) is
+    logged and ignored; requests keep flowing to the valid workers."""
+    async def main():
+        async with replicas(redis_proc.url, n_workers=2, n_replicas=1, ns="bs") as (rurls, s, fakes, routers):
+            rc = aioredis.Redis.from_url(redis_proc.url)
+            try:
+                async with s.post(rurls[0] + "/v1/completions", json={"prompt": conv(1)}) as r:
+                    assert r.status == 200
+                await rc.hset("bs:workers", "https://127.0.0.1:1", '{"url": "https://127.0.0.1:1"}')
+                for i in range(2, 8):
+                    async with s.post(rurls[0] + "/v1/completions", json={"prompt": conv(i)}) as r:
+                        assert r.status == 200
+                        assert url_of(r, fakes) in fakes
+                assert {w.name for w in await routers[0].state.snapshot(())} == set(fakes)
+            finally:
+                await rc.aclose()
+    with caplog.at_level(logging.ERROR, logger="router"):
+        asyncio.run(main())
+    assert "its spec is not valid here" in caplog.text
+
+
 def test_redis_restarted_empty_while_idle_resynchronises(redis_proc, caplog):
     """Redis killed and restarted empty between two heartbeats (1 s apart here): the router
     never sees a failed call, only a Redis without its script or its replica entry. It must
