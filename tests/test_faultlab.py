@@ -23,7 +23,11 @@ def assert_never_lied(stats):
 
 
 def settled(lab, incs=None):
-    """Every daemon up (with the given incarnations), no handover open, as the leader says."""
+    """Every daemon up (with the given incarnations), no handover open, as the leader says.
+
+    An incarnation above 1 means "rejoined": at least that one. A daemon whose re-registration
+    timed out on a loaded machine registers again with a new incarnation, which is safe (it
+    serves nothing of either older one); the nodes given 1 must never have re-registered."""
     leader = lab.leader()
     st = lab.status(leader) if leader is not None else {}
     if "membership" not in st or st["membership"]["transition"] is not None:
@@ -31,7 +35,8 @@ def settled(lab, incs=None):
     nodes = {r["id"]: (r["state"], r["inc"]) for r in st["membership"]["nodes"]}
     if incs is None:
         return len(nodes) == len(lab.daemons) and all(s == "up" for s, _ in nodes.values())
-    return nodes == {n: ("up", i) for n, i in incs.items()}
+    return nodes.keys() == incs.keys() and all(
+        s == "up" and (inc == 1 if incs[n] == 1 else inc >= incs[n]) for n, (s, inc) in nodes.items())
 
 
 def daemons_at_leader_epoch(lab):
