@@ -8,6 +8,7 @@ import sys
 
 from gcache import argtypes
 from gcache.errors import GCacheError
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (a static cluster; else $GCACHE_NODES)"
 MASTERS_HELP = "gcache://HOST:PORT,... of the master group (else $GCACHE_MASTERS)"
@@ -156,15 +157,38 @@ def _os_error(exc: OSError) -> str:
     return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
+def _read_value(path: str, limit: int) -> bytes:
+    """The value in file ``path`` (``-``: standard input), at most ``limit`` bytes: more is
+    refused before it is all read (``--file /dev/zero`` would read until memory ran out)."""
+    from gcache.sizes import format_size
+
+    name = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as exc:
+        raise SystemExit(f"gcache put: cannot read --file {_os_error(exc)}") from None
+    if len(data) > limit:
+        raise SystemExit(f"gcache put: --file {name} holds more than --max-size {format_size(limit)} (a daemon "
+                         f"refuses values above its --max-value); give --max-size SIZE for daemons started with "
+                         f"a larger --max-value")
+    return data
+
+
 def cmd_put(args: argparse.Namespace) -> int:
-    if args.file:
-        try:
-            with open(args.file, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SystemExit(f"gcache put: cannot read --file {_os_error(exc)}") from None
+    if args.file is not None and args.value is not None:
+        args.usage_error("give the value or --file, not both")
+    if args.file is None and args.value is None:  # an empty value is stored only when asked for ("")
+        args.usage_error('give the value ("" for an empty one), --file FILE, or --file - to read standard input')
+    if args.file is not None:
+        from gcache.sizes import parse_size
+
+        data = _read_value(args.file, parse_size(args.max_size))
     else:
-        data = (args.value or "").encode()
+        data = args.value.encode()
     with _client(args) as c:
         st = c.put_one(args.key, data, ttl_s=args.ttl)
     print(st.name)
@@ -200,7 +224,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SystemExit(f"gcache get: cannot write --out {_os_error(exc)}") from None
     else:
-        sys.stdout.buffer.write(bytes(value) + b"\n")
+        sys.stdout.buffer.write(value)  # the exact bytes: a pipe or a redirect gets the value as stored
+        sys.stdout.buffer.flush()
     return 0
 
 
@@ -346,11 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = data_cmd("put", "store one value")
     s.add_argument("key")
-    s.add_argument("value", nargs="?", help="the value as text (or --file)")
-    s.add_argument("--file", help="read the value from this file")
+    s.add_argument("value", nargs="?", help='the value as text ("" for an empty one; or --file)')
+    s.add_argument("--file", help="read the value from this file (- for standard input)")
+    s.add_argument("--max-size", type=argtypes.size, default=f"{DEFAULT_MAX_VALUE_BYTES >> 20}MiB",
+                   help="refuse a --file larger than this (default %(default)s: the daemons' default --max-value)")
     s.add_argument("--ttl", type=argtypes.seconds_or_zero, default=0.0,
                    help="expire after this many seconds (0 = never)")
-    s.set_defaults(fn=cmd_put)
+    s.set_defaults(fn=cmd_put, usage_error=s.error)
     s = data_cmd("get", "read one value (to stdout or --out)")
     s.add_argument("key")
     s.add_argument("--out", help="write the value to this file")

@@ -21,6 +21,7 @@ from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.net.address import split_host_port
 from gcache.process import stop_on_signals, write_ready
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 from gcache.server.admission import AdmissionConfig
 from gcache.server.agent import Agent
 from gcache.server.local import LocalServer
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
     p.add_argument("--disk-size", type=argtypes.size, default="10GiB",
                    help="NVMe tier byte budget (default %(default)s)")
-    p.add_argument("--max-value", type=argtypes.size, default="64MiB",
+    p.add_argument("--max-value", type=argtypes.size, default=f"{DEFAULT_MAX_VALUE_BYTES >> 20}MiB",
                    help="largest value accepted (default %(default)s)")
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "

@@ -84,6 +84,43 @@ def test_put_file_that_cannot_be_read(capsys, tmp_path):
         f"gcache put: cannot read --file {tmp_path}: Is a directory"
 
 
+def test_put_without_a_value_is_a_usage_error_not_an_empty_value(capsys):
+    """`gcache put KEY` stored an empty value (a forgotten argument, or a shell variable that
+    expanded to nothing, silently overwrote the key). The value, --file FILE or --file - (stdin)
+    must be given; "" stores an empty value on purpose."""
+    nodes = f"127.0.0.1:{closed_port()}"  # never reached: the arguments are checked first
+    code, out, err = gcache(capsys, "put", "k", "--nodes", nodes)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("usage: gcache put") and "--file - to read standard input" in err.splitlines()[-1]
+    code, _out, err = gcache(capsys, "put", "k", "v", "--file", "/dev/null", "--nodes", nodes)
+    assert code == 2 and "give the value or --file, not both" in err
+    # "" is explicit: it gets as far as the (closed) node
+    assert "Connection refused" in refused(capsys, "put", "k", "", "--nodes", nodes, "--timeout", "1")
+
+
+def test_put_file_larger_than_the_max_value_is_refused_without_reading_it_all(tmp_path):
+    """`gcache put k --file /dev/zero` read until memory ran out (a MemoryError traceback, or
+    the OOM killer). At most --max-size (the daemons' default --max-value) + 1 bytes are read
+    now, and more is refused by name; a real process under a 1 GiB address-space limit."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    nodes = f"127.0.0.1:{closed_port()}"  # never reached: the file is refused first
+    p = subprocess.run([*GCACHE, "put", "k", "--file", "/dev/zero", "--nodes", nodes], capture_output=True,
+                       text=True, timeout=120, check=False, preexec_fn=limited)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("gcache put: --file /dev/zero holds more than --max-size 64.0MiB (a daemon refuses "
+                                "values above its --max-value); give --max-size SIZE for daemons started with a "
+                                "larger --max-value")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    p = subprocess.run([*GCACHE, "put", "k", "--file", "-", "--max-size", "4KiB", "--nodes", nodes],
+                       input=big.read_bytes(), capture_output=True, timeout=120, check=False)
+    assert p.returncode == 1 and b"--file standard input holds more than --max-size 4.0KiB" in p.stderr, p.stderr
+
+
 def test_get_out_path_is_checked_before_fetching(capsys, tmp_path):
     nodes = f"127.0.0.1:{closed_port()}"  # an unreachable node would say so: the path is checked first
     bad = tmp_path / "no" / "dir" / "x"
