@@ -129,3 +129,16 @@ def test_an_empty_namespace_is_refused_not_taken_for_the_clients(make_cluster):
                 call()
             assert cl.get(["k"]) == [b"v"], f"{name}(namespace='') touched the default namespace"
         assert cl.get(["k"], namespace=None) == [b"v"] and cl.get(["k"], namespace="default") == [b"v"]
+
+
+def test_on_failure_hears_each_failed_owner_when_failures_are_misses():
+    """With on_node_error=MISS a failed owner's keys are misses and nothing is raised; on_failure
+    is how a caller that must not raise (the SGLang embedding store) still learns why."""
+    seen = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connection refused
+        with Client([down], local=LocalPath.OFF, on_node_error=OnNodeError.MISS, on_failure=seen.append,
+                    timeout_s=2.0) as cl:
+            assert cl.get(["k"]) == [None] and cl.exists(["k"]) == [False]
+    assert len(seen) == 2 and all(down in str(e) for e in seen), seen

@@ -348,6 +348,9 @@ class Client:
         failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys])
         if failures and self.config.on_node_error is OnNodeError.RAISE:
             raise failures[0]
+        if failures and self.config.on_failure is not None:
+            for exc in failures:
+                self.config.on_failure(exc)
 
     def staging(self) -> StagingPool:
         """The pinned staging pool that carries device tensors over host transports."""
