@@ -54,6 +54,9 @@ def refused(capsys, *argv: str) -> str:
     (["daemon", "--heartbeat", "0"], "argument --heartbeat: must be a finite number of seconds > 0, got 0.0"),
     (["daemon", "--fence-after", "inf"], "argument --fence-after: must be a finite number of seconds > 0, got inf"),
     (["daemon", "--lease", "soon"], "argument --lease: expected a number of seconds, got 'soon'"),
+    # below 0.05 s every local get missed and the reaper woke thousands of times a second
+    (["daemon", "--lease", "0.001"], "argument --lease: must be a finite number of seconds >= 0.05, got 0.001"),
+    (["daemon", "--lease", "0"], "argument --lease: must be a finite number of seconds >= 0.05, got 0.0"),
     (["daemon", "--max-connections", "0"], "argument --max-connections: expected a whole number >= 1"),
     (["daemon", "--mem", "lots"], "argument --mem: cannot read size 'lots'"),
     (["master", "--raft", "127.0.0.1:1", "--peers", "127.0.0.1:1", "--down-after", "nan"],
@@ -156,6 +159,8 @@ def test_config_check_refuses_what_the_daemon_refuses(tmp_path):
         "no_max_value.toml": ("[daemon]\nmax_value = 0\n", ":2: [daemon] max_value: max_value_bytes must be >= 1"),
         "inf_heartbeat.toml": ("[daemon]\nheartbeat = inf\n", ":2: [daemon] heartbeat: expected a finite number"),
         "nan_master.toml": ("[master]\nsuspect_after = nan\n", ":2: [master] suspect_after: expected a finite"),
+        "short_lease.toml": ("[daemon]\nlease = 0.001\n",
+                             ":2: [daemon] lease: must be a finite number of seconds >= 0.05, got 0.001"),
     }
     paths = []
     for name, (text, _) in files.items():

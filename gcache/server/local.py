@@ -40,6 +40,8 @@ import time
 from typing import Any
 
 from gcache import protocol as P
+from gcache.argtypes import seconds_error
+from gcache.errors import ConfigError
 from gcache.net.address import unix_name
 from gcache.net.stream import SocketStream
 from gcache.net.wire import shutdown_quietly
@@ -50,6 +52,10 @@ from gcache.tier.store import Hit, Reservation
 from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
 
 log = logging.getLogger(__name__)
+# The shortest lease (--lease): it must outlast an LGET's reply, the client's copy and its LDONE,
+# and the reaper wakes every lease/4. Below this a scheduling delay turns every local get into a
+# miss, and the reaper spins (at --lease 0.001, 4000 wake-ups a second).
+MIN_LEASE_S = 0.05
 
 
 class _Lease:
@@ -250,6 +256,8 @@ class LocalServer:
         os.fchmod(store.arena.fd, 0o600)
         # a descriptor of the same pages that cannot be mapped writable (what readers get)
         self.read_only_fd = os.open(f"/proc/self/fd/{store.arena.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        if err := seconds_error(lease_s, minimum=MIN_LEASE_S):
+            raise ConfigError(f"--lease {err}", "lease_s")
         self.lease_s = lease_s
         self.arena_id = secrets.token_hex(8)
         self.name = unix_name(tcp_address)
