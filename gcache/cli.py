@@ -7,12 +7,14 @@ import json
 import sys
 
 from gcache import argtypes
-from gcache.errors import GCacheError
-from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
+from gcache.errors import GCacheError, ServerError
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES, ErrorCode
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (a static cluster; else $GCACHE_NODES)"
 MASTERS_HELP = "gcache://HOST:PORT,... of the master group (else $GCACHE_MASTERS)"
 TOKEN_FILE_HELP = "cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)"
+AUTH_HINT = "give the cluster token with --token-file FILE or $GCACHE_TOKEN_FILE (else $GCACHE_TOKEN)"
+AUTH_REFUSED = f"(code {int(ErrorCode.AUTH)})"  # how a daemon's refusal of the token ends (ServerError)
 # commands that read a TOML config file (gcache.ops.config)
 CONFIG_COMMANDS = ("daemon", "master", "status", "drain", "health")
 
@@ -254,8 +256,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
     for node, why in res.failed.items():
         print(f"{node}\tNOT CLEARED\t{why}")
     if not res.complete:
+        # running it again helps a daemon that was unreachable or busy, not one that refused the token
+        refused = [n for n, why in res.failed.items() if why.endswith(AUTH_REFUSED)]
+        what = AUTH_HINT if refused else "run it again"
         print(f"gcache clear: {len(res.failed)} of {len(res.failed) + len(res.deleted)} daemons did not acknowledge: "
-              f"namespace {args.namespace!r} is NOT cleared there (they keep its keys); run it again",
+              f"namespace {args.namespace!r} is NOT cleared there (they keep its keys); {what}",
               file=sys.stderr)
         return 1
     print(f"namespace {args.namespace!r} cleared on all {len(res.deleted)} daemons "
@@ -469,11 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     except GCacheError as exc:
         print(f"gcache: config: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's usage, not gcache's list of commands
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args) or 0)
     except GCacheError as exc:
-        print(f"gcache {args.cmd}: {exc}", file=sys.stderr)
+        hint = f"; {AUTH_HINT}" if isinstance(exc, ServerError) and exc.code == ErrorCode.AUTH else ""
+        print(f"gcache {args.cmd}: {exc}{hint}", file=sys.stderr)
         return 1
     except OSError as exc:  # a file or directory that is not there, not allowed, not a file: one line
         print(f"gcache {args.cmd}: {_os_error(exc)}", file=sys.stderr)

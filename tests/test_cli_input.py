@@ -124,6 +124,27 @@ def test_put_file_larger_than_the_max_value_is_refused_without_reading_it_all(tm
     assert p.returncode == 1 and b"--file standard input holds more than --max-size 4.0KiB" in p.stderr, p.stderr
 
 
+def test_unknown_arguments_print_the_commands_usage(capsys):
+    code, _out, err = gcache(capsys, "up", "--bogus")
+    assert code == 2 and err.startswith("usage: gcache up") and "{daemon,master" not in err
+    assert err.strip().splitlines()[-1] == "gcache up: error: unrecognized arguments: --bogus"
+
+
+def test_a_refused_token_says_how_to_give_one_and_clear_does_not_say_run_it_again(capsys, make_cluster, tmp_path,
+                                                                                 monkeypatch):
+    for var in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE", "GCACHE_MASTERS"):
+        monkeypatch.delenv(var, raising=False)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    nodes = make_cluster(nodes=1, mem="16MiB", extra_args=["--token-file", str(token), "--no-pretouch"]).addresses[0]
+    says = refused(capsys, "get", "k", "--nodes", nodes)
+    assert "cluster token" in says and "--token-file FILE or $GCACHE_TOKEN_FILE" in says, says
+    says = refused(capsys, "clear", "-n", "ns", "--yes", "--nodes", nodes, "--timeout", "5")
+    assert "NOT cleared" in says and "run it again" not in says and "--token-file FILE" in says, says
+    code, _out, err = gcache(capsys, "get", "k", "--nodes", nodes, "--token-file", str(token))
+    assert code == 1 and err.strip() == "NOT_FOUND"  # with the token: an ordinary miss
+
+
 def test_get_out_path_is_checked_before_fetching(capsys, tmp_path):
     nodes = f"127.0.0.1:{closed_port()}"  # an unreachable node would say so: the path is checked first
     bad = tmp_path / "no" / "dir" / "x"
