@@ -23,12 +23,16 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 T = TypeVar("T")
 
 
-def seconds_error(value: Any, zero_ok: bool = False) -> str | None:
-    """Why ``value`` is not a duration: a finite number of seconds > 0 (>= 0 with ``zero_ok``)."""
+def seconds_error(value: Any, zero_ok: bool = False, minimum: float | None = None) -> str | None:
+    """Why ``value`` is not a duration: a finite number of seconds > 0 (>= 0 with ``zero_ok``,
+    >= ``minimum`` when given)."""
     want = f"a finite number of seconds {'>= 0' if zero_ok else '> 0'}"
+    if minimum is not None:
+        want = f"a finite number of seconds >= {minimum:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"expected {want}, got {value!r}"
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or (
+            minimum is not None and value < minimum):
         return f"must be {want}, got {value!r}"
     return None
 
@@ -64,6 +68,16 @@ def seconds(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
     v: float = _number(text, float, "a number of seconds")
     return _checked(v, seconds_error(v))
+
+
+def seconds_at_least(minimum: float) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds >= ``minimum`` (> 0)."""
+
+    def parse(text: str) -> float:
+        v: float = _number(text, float, "a number of seconds")
+        return _checked(v, seconds_error(v, minimum=minimum))
+
+    return parse
 
 
 def seconds_or_zero(text: str) -> float:

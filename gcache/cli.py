@@ -7,11 +7,14 @@ import json
 import sys
 
 from gcache import argtypes
-from gcache.errors import GCacheError
+from gcache.errors import GCacheError, ServerError
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES, ErrorCode
 
 DEFAULT_NODES_HELP = "comma-separated HOST:PORT of the daemons (a static cluster; else $GCACHE_NODES)"
 MASTERS_HELP = "gcache://HOST:PORT,... of the master group (else $GCACHE_MASTERS)"
 TOKEN_FILE_HELP = "cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)"
+AUTH_HINT = "give the cluster token with --token-file FILE or $GCACHE_TOKEN_FILE (else $GCACHE_TOKEN)"
+AUTH_REFUSED = f"(code {int(ErrorCode.AUTH)})"  # how a daemon's refusal of the token ends (ServerError)
 # commands that read a TOML config file (gcache.ops.config)
 CONFIG_COMMANDS = ("daemon", "master", "status", "drain", "health")
 
@@ -156,15 +159,38 @@ def _os_error(exc: OSError) -> str:
     return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
+def _read_value(path: str, limit: int) -> bytes:
+    """The value in file ``path`` (``-``: standard input), at most ``limit`` bytes: more is
+    refused before it is all read (``--file /dev/zero`` would read until memory ran out)."""
+    from gcache.sizes import format_size
+
+    name = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as exc:
+        raise SystemExit(f"gcache put: cannot read --file {_os_error(exc)}") from None
+    if len(data) > limit:
+        raise SystemExit(f"gcache put: --file {name} holds more than --max-size {format_size(limit)} (a daemon "
+                         f"refuses values above its --max-value); give --max-size SIZE for daemons started with "
+                         f"a larger --max-value")
+    return data
+
+
 def cmd_put(args: argparse.Namespace) -> int:
-    if args.file:
-        try:
-            with open(args.file, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SystemExit(f"gcache put: cannot read --file {_os_error(exc)}") from None
+    if args.file is not None and args.value is not None:
+        args.usage_error("give the value or --file, not both")
+    if args.file is None and args.value is None:  # an empty value is stored only when asked for ("")
+        args.usage_error('give the value ("" for an empty one), --file FILE, or --file - to read standard input')
+    if args.file is not None:
+        from gcache.sizes import parse_size
+
+        data = _read_value(args.file, parse_size(args.max_size))
     else:
-        data = (args.value or "").encode()
+        data = args.value.encode()
     with _client(args) as c:
         st = c.put_one(args.key, data, ttl_s=args.ttl)
     print(st.name)
@@ -200,7 +226,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SystemExit(f"gcache get: cannot write --out {_os_error(exc)}") from None
     else:
-        sys.stdout.buffer.write(bytes(value) + b"\n")
+        sys.stdout.buffer.write(value)  # the exact bytes: a pipe or a redirect gets the value as stored
+        sys.stdout.buffer.flush()
     return 0
 
 
@@ -229,8 +256,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
     for node, why in res.failed.items():
         print(f"{node}\tNOT CLEARED\t{why}")
     if not res.complete:
+        # running it again helps a daemon that was unreachable or busy, not one that refused the token
+        refused = [n for n, why in res.failed.items() if why.endswith(AUTH_REFUSED)]
+        what = AUTH_HINT if refused else "run it again"
         print(f"gcache clear: {len(res.failed)} of {len(res.failed) + len(res.deleted)} daemons did not acknowledge: "
-              f"namespace {args.namespace!r} is NOT cleared there (they keep its keys); run it again",
+              f"namespace {args.namespace!r} is NOT cleared there (they keep its keys); {what}",
               file=sys.stderr)
         return 1
     print(f"namespace {args.namespace!r} cleared on all {len(res.deleted)} daemons "
@@ -346,11 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = data_cmd("put", "store one value")
     s.add_argument("key")
-    s.add_argument("value", nargs="?", help="the value as text (or --file)")
-    s.add_argument("--file", help="read the value from this file")
+    s.add_argument("value", nargs="?", help='the value as text ("" for an empty one; or --file)')
+    s.add_argument("--file", help="read the value from this file (- for standard input)")
+    s.add_argument("--max-size", type=argtypes.size, default=f"{DEFAULT_MAX_VALUE_BYTES >> 20}MiB",
+                   help="refuse a --file larger than this (default %(default)s: the daemons' default --max-value)")
     s.add_argument("--ttl", type=argtypes.seconds_or_zero, default=0.0,
                    help="expire after this many seconds (0 = never)")
-    s.set_defaults(fn=cmd_put)
+    s.set_defaults(fn=cmd_put, usage_error=s.error)
     s = data_cmd("get", "read one value (to stdout or --out)")
     s.add_argument("key")
     s.add_argument("--out", help="write the value to this file")
@@ -442,11 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     except GCacheError as exc:
         print(f"gcache: config: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's usage, not gcache's list of commands
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args) or 0)
     except GCacheError as exc:
-        print(f"gcache {args.cmd}: {exc}", file=sys.stderr)
+        hint = f"; {AUTH_HINT}" if isinstance(exc, ServerError) and exc.code == ErrorCode.AUTH else ""
+        print(f"gcache {args.cmd}: {exc}{hint}", file=sys.stderr)
         return 1
     except OSError as exc:  # a file or directory that is not there, not allowed, not a file: one line
         print(f"gcache {args.cmd}: {_os_error(exc)}", file=sys.stderr)

@@ -21,9 +21,10 @@ from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.net.address import split_host_port
 from gcache.process import stop_on_signals, write_ready
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 from gcache.server.admission import AdmissionConfig
 from gcache.server.agent import Agent
-from gcache.server.local import LocalServer
+from gcache.server.local import MIN_LEASE_S, LocalServer
 from gcache.server.server import DataServer
 from gcache.sizes import parse_size
 from gcache.tier.eviction import EvictionConfig, EvictionKind
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
     p.add_argument("--disk-size", type=argtypes.size, default="10GiB",
                    help="NVMe tier byte budget (default %(default)s)")
-    p.add_argument("--max-value", type=argtypes.size, default="64MiB",
+    p.add_argument("--max-value", type=argtypes.size, default=f"{DEFAULT_MAX_VALUE_BYTES >> 20}MiB",
                    help="largest value accepted (default %(default)s)")
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
@@ -77,8 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the address is printed at start-up and written to READY_FILE.metrics")
     p.add_argument("--no-local", action="store_true",
                    help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
-    p.add_argument("--lease", type=argtypes.seconds, default=5.0,
-                   help="seconds a local client may hold pinned or reserved slots (default %(default)s)")
+    p.add_argument("--lease", type=argtypes.seconds_at_least(MIN_LEASE_S), default=5.0,
+                   help=f"seconds a local client may hold pinned or reserved slots, at least {MIN_LEASE_S:g} "
+                        "(default %(default)s)")
     p.add_argument("--ucx", action="store_true",
                    help="also carry the data plane over UCX for clients that ask (Client(transport=Transport.UCX)); "
                         "set up over the TCP port, UCX picks its transports (UCX_TLS; tcp, shared memory, RDMA)")
@@ -145,7 +147,7 @@ def settings(args: argparse.Namespace) -> Settings:
 
     host, port = flag("listen", lambda: split_host_port(args.listen, "--listen"))
     for dest in _DURATIONS:
-        if err := argtypes.seconds_error(getattr(args, dest)):
+        if err := argtypes.seconds_error(getattr(args, dest), minimum=MIN_LEASE_S if dest == "lease" else None):
             raise FlagError(dest, err)
     if args.metrics_port is not None and (err := argtypes.port_error(args.metrics_port)):
         raise FlagError("metrics_port", err)

@@ -57,6 +57,7 @@ MAX_META_STR_BYTES = 64 << 10  # one string or byte string in request metadata (
 MAX_KEY_BYTES = 1024
 MAX_NS_BYTES = 128
 MAX_BATCH_KEYS = 65536
+DEFAULT_MAX_VALUE_BYTES = 64 << 20  # a daemon's default --max-value: larger values are refused TOO_LARGE
 
 FLAG_REPLY = 0x1
 FLAG_ERROR = 0x2

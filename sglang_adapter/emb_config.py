@@ -15,6 +15,7 @@ sets it)::
     "connect_timeout_s": (default 0.3)
     "skip_existing":     a put first asks which embeddings exist and sends only the rest (default true)
     "local":             "auto" | "off" | "force": the same-host shared-memory path (default "auto")
+    "token_file":        cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)
 
 Keys are self-describing: ``{mm_hash}.emb.{modality}@{model}#{dtype}x{hidden}.v{FORMAT_VERSION}``.
 An embedding written by a deployment of another model, dtype or hidden size, or in an older
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcache.client.client import LocalPath
+from gcache.env import resolve_token
 from gcache.errors import ConfigError
 
 #: Bump when the meaning of a stored embedding's bytes changes: older ones become misses.
@@ -72,6 +74,7 @@ class EmbeddingStoreConfig:
     connect_timeout_s: float = 0.3
     skip_existing: bool = True
     local: LocalPath = LocalPath.AUTO
+    token_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -101,7 +104,7 @@ class EmbeddingStoreConfig:
             raise ConfigError(f"gcache embedding store: config must be a JSON object, got {config!r}")
         extra = dict(config)
         unknown = set(extra) - {"nodes", "model", "namespace", "pool", "timeout_s", "connect_timeout_s",
-                                "skip_existing", "local"}
+                                "skip_existing", "local", "token_file"}
         if unknown:
             raise ConfigError(f"gcache embedding store: unknown config keys {sorted(unknown)}")
         nodes = extra.pop("nodes", None) or os.environ.get("GCACHE_NODES", "")
@@ -111,7 +114,8 @@ class EmbeddingStoreConfig:
             raise ConfigError(f"gcache embedding store: 'nodes' must be a list of HOST:PORT, got {nodes!r}")
         kwargs: dict[str, Any] = {}
         for name, typ in (("model", str), ("namespace", str), ("pool", str), ("timeout_s", (int, float)),
-                          ("connect_timeout_s", (int, float)), ("skip_existing", bool), ("local", str)):
+                          ("connect_timeout_s", (int, float)), ("skip_existing", bool), ("local", str),
+                          ("token_file", str)):
             if name in extra:
                 if not isinstance(extra[name], typ) or (typ != bool and isinstance(extra[name], bool)):
                     raise ConfigError(f"gcache embedding store: {name!r} has the wrong type: {extra[name]!r}")
@@ -124,3 +128,7 @@ class EmbeddingStoreConfig:
                                   f"got {kwargs['local']!r}") from None
         kwargs.setdefault("model", default_model)
         return cls(nodes=tuple(nodes), **kwargs)
+
+    def token(self) -> str | None:
+        """The cluster token: ``token_file``, else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN."""
+        return resolve_token(self.token_file)

@@ -14,7 +14,12 @@ the ``EmbeddingCacheController``. Turn it on with ``python -m sglang_adapter.lau
   registered pool is refused (a miss), never guessed. A stored value whose size is not what the
   reader expects is a miss too.
 * Failure: every batch call answers per-embedding False on any error, never raises; the client
-  runs with OnNodeError.MISS, so a dead daemon is a miss within ``timeout_s``.
+  runs with OnNodeError.MISS, so a dead daemon is a miss within ``timeout_s``. An owner that
+  failed (a refused token above all: every call would miss) is logged, rate-limited, and counted.
+* Empty embeddings (0 bytes) are refused: stored, one would answer "exists" for its hash forever
+  (skip_existing would never store the real one). A stored entry that cannot be an embedding of
+  the reader's format (empty, or not a whole number of rows) is deleted when read, so the next
+  put stores the real one.
 * Budget: puts are tagged with the daemon pool ``emb`` (``gcache daemon --pool-budget emb=...``).
 * ``metrics()``: counters since start (keys, hits, bytes, seconds per operation).
 """
@@ -35,7 +40,9 @@ from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
 from gcache.client import Client
 from gcache.client.client import OnNodeError
-from gcache.protocol import Status
+from gcache.errors import GCacheError, ServerError
+from gcache.protocol import ErrorCode, Status
+from gcache.ratelog import RateLimitedLog
 from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys
 
 log = logging.getLogger(__name__)
@@ -97,18 +104,22 @@ class EmbeddingStoreMetrics:
     exists: int = 0
     exist_hits: int = 0
     unregistered: int = 0  # buffers outside every registered pool: refused
-    errors: int = 0  # batch calls that failed as a whole (answered as misses)
+    empty: int = 0  # empty (0-byte) embeddings: refused
+    bad_entries: int = 0  # stored entries that cannot be an embedding of the reader's format: deleted
+    errors: int = 0  # batch calls that failed as a whole, and owners that failed in a call (misses)
 
 
 class GCacheEmbeddingStore(EmbeddingStore):
     def __init__(self, storage_config: Mapping[str, Any] | str | None = None, **_: Any) -> None:
         self.config = EmbeddingStoreConfig.load(storage_config, default_model=_sglang_model())
         c = self.config
-        self.client = Client(list(c.nodes), namespace=c.namespace, timeout_s=c.timeout_s,
-                             connect_timeout_s=c.connect_timeout_s, on_node_error=OnNodeError.MISS, local=c.local)
+        self.client = Client(list(c.nodes), namespace=c.namespace, timeout_s=c.timeout_s, token=c.token(),
+                             connect_timeout_s=c.connect_timeout_s, on_node_error=OnNodeError.MISS, local=c.local,
+                             on_failure=self._owner_failed)
         self._regions: list[_Region] = []
         self._lock = threading.Lock()
         self._m = EmbeddingStoreMetrics()
+        self._limited = RateLimitedLog(log, burst=1, window_s=60.0)  # failures repeat on every call: a line a minute
 
     def __repr__(self) -> str:
         fmts = [f"{r.fmt.modality}:{r.fmt.dtype}x{r.fmt.hidden}" for r in self._regions]
@@ -157,25 +168,32 @@ class GCacheEmbeddingStore(EmbeddingStore):
         return None
 
     def _plan(self, hashes: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-              ) -> tuple[list[int], list[bytes], list[list[memoryview]], list[int]]:
-        """Indices of the embeddings that can move, their keys, views over their page runs and
-        their byte sizes; embeddings outside every registered pool are left out (counted)."""
+              ) -> tuple[list[int], list[bytes], list[list[memoryview]], list[int], list[int]]:
+        """Indices of the embeddings that can move, their keys, views over their page runs, their
+        byte sizes and their pools' row sizes; embeddings outside every registered pool, and
+        empty ones, are left out (counted)."""
         if not len(hashes) == len(ptrs) == len(sizes):
             raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} pointer lists, {len(sizes)} size lists")
         idx: list[int] = []
         keys: list[bytes] = []
         views: list[list[memoryview]] = []
         nbytes: list[int] = []
-        refused = 0
+        rows: list[int] = []
+        refused = empty = 0
         for i, (h, p, s) in enumerate(zip(hashes, ptrs, sizes)):
             region = self._region_of(p, s)
             if region is None or not isinstance(h, str) or not h:
                 refused += 1
                 continue
+            total = sum(int(b) for b in s)
+            if total == 0:
+                empty += 1
+                continue
             idx.append(i)
             keys.append(embedding_keys([h], self.config.model, region.fmt)[0])
             views.append([_view(int(a), int(b)) for a, b in zip(p, s)])
-            nbytes.append(sum(int(b) for b in s))
+            nbytes.append(total)
+            rows.append(region.row_bytes)
         if refused:
             with self._lock:
                 first = self._m.unregistered == 0
@@ -183,7 +201,32 @@ class GCacheEmbeddingStore(EmbeddingStore):
             if first:
                 log.warning("gcache embedding store: %d embedding(s) not in a registered pool (or without a hash): "
                             "refused as misses; register the pool with register_buffer", refused)
-        return idx, keys, views, nbytes
+        if empty:
+            with self._lock:
+                self._m.empty += empty
+            self._limited.warning("empty", "gcache embedding store: %d empty (0-byte) embedding(s) refused: an embedding "
+                            "has at least one token row; nothing was stored or read for them", empty)
+        return idx, keys, views, nbytes, rows
+
+    def _owner_failed(self, exc: GCacheError) -> None:
+        """An owner failed in a batch (Client on_failure): its embeddings were answered as misses."""
+        with self._lock:
+            self._m.errors += 1
+        if isinstance(exc, ServerError) and exc.code == ErrorCode.AUTH:
+            self._limited.error("auth", "gcache embedding store: %s: every embedding it owns is a miss; give the cluster "
+                          "token with 'token_file' in the store's config (--gcache-emb-config) or $GCACHE_TOKEN_FILE",
+                          exc)
+        else:
+            self._limited.warning("owner", "gcache embedding store: %s: the embeddings it owns were answered as misses", exc)
+
+    def _drop_bad_entries(self, keys: list[bytes]) -> None:
+        """Delete stored entries that cannot be an embedding of the reader's format (empty, or
+        not a whole number of rows): left there, skip_existing would trust them forever."""
+        with self._lock:
+            self._m.bad_entries += len(keys)
+        self._limited.warning("bad", "gcache embedding store: %d stored value(s) cannot be an embedding (empty, or not a "
+                        "whole number of rows): deleted, so the next put stores the real one", len(keys))
+        self.client.delete(keys)
 
     # -- the interface the controller uses ---------------------------------------------------------
     def batch_get_into_multi_buffers(self, hashes: list[str], ptrs: list[list[int]],
@@ -191,11 +234,15 @@ class GCacheEmbeddingStore(EmbeddingStore):
         ok = [False] * len(hashes)
         t0 = time.perf_counter()
         try:
-            idx, keys, views, nbytes = self._plan(hashes, ptrs, sizes)
+            idx, keys, views, nbytes, rows = self._plan(hashes, ptrs, sizes)
             if idx:
                 res = self.client.get_into(keys, views)
                 for j, i in enumerate(idx):
                     ok[i] = res.status[j] is Status.OK and res.sizes[j] == nbytes[j]
+                bad = [keys[j] for j in range(len(idx))
+                       if res.status[j] is Status.OK and (res.sizes[j] == 0 or res.sizes[j] % rows[j])]
+                if bad:
+                    self._drop_bad_entries(bad)
             got = sum(nbytes[j] for j, i in enumerate(idx) if ok[i])
         except Exception:
             log.exception("gcache embedding get of %d embeddings failed", len(hashes))
@@ -212,7 +259,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
         ok = [False] * len(hashes)
         t0 = time.perf_counter()
         try:
-            idx, keys, views, nbytes = self._plan(hashes, ptrs, sizes)
+            idx, keys, views, nbytes, _rows = self._plan(hashes, ptrs, sizes)
             have = self.client.exists(keys) if idx and self.config.skip_existing else [False] * len(idx)
             todo = [j for j in range(len(idx)) if not have[j]]
             for j in range(len(idx)):

@@ -41,7 +41,7 @@ def test_up_then_data_commands_then_ctrl_c(tmp_path):
         assert nodes and nodes.count(",") == 1
         env = {**os.environ, "GCACHE_NODES": nodes}
         assert run("put", "greeting", "hello world", env=env).stdout.strip() == "OK"
-        assert run("get", "greeting", env=env).stdout == "hello world\n"
+        assert run("get", "greeting", env=env).stdout == "hello world"  # the exact bytes
         miss = run("get", "absent", env=env, check=False)
         assert miss.returncode == 1 and "NOT_FOUND" in miss.stderr
         ex = run("exists", "greeting", "absent", env=env, check=False)
@@ -54,6 +54,21 @@ def test_up_then_data_commands_then_ctrl_c(tmp_path):
         out, _ = up.communicate(timeout=30)
     assert up.returncode == 0 and "cluster stopped" in out
     assert len(pids) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_get_writes_the_exact_bytes_and_put_reads_stdin(make_cluster):
+    """`gcache get KEY > file` appended a newline to the value; stdout now gets the bytes as
+    stored, so a value round-trips through put --file - and get byte for byte."""
+    env = {**os.environ, "GCACHE_NODES": make_cluster(nodes=1, mem="16MiB").addresses[0]}
+    value = bytes(range(256)) + b"no newline at the end"
+    p = subprocess.run([*GCACHE, "put", "blob", "--file", "-"], input=value, capture_output=True, env=env,
+                       timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout == b"OK\n", p.stderr
+    p = subprocess.run([*GCACHE, "get", "blob"], capture_output=True, env=env, timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout == value, p.stderr
+    assert run("put", "empty", "", env=env).stdout.strip() == "OK"  # an empty value, asked for
+    p = subprocess.run([*GCACHE, "get", "empty"], capture_output=True, env=env, timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout == b""
 
 
 def test_data_command_without_nodes_says_what_to_do():
@@ -109,7 +124,7 @@ def test_up_with_masters_status_and_drain(tmp_path):
         no_token = {k: v for k, v in env.items() if k not in ("GCACHE_TOKEN_FILE", "GCACHE_TOKEN")}
         assert run("exists", "greeting", "--token-file", env["GCACHE_TOKEN_FILE"],
                    env=no_token).stdout.splitlines() == ["greeting\tyes"]
-        assert run("get", "greeting", "--masters", env["GCACHE_MASTERS"], env=nodes_only).stdout == "hello\n"
+        assert run("get", "greeting", "--masters", env["GCACHE_MASTERS"], env=nodes_only).stdout == "hello"
         stats = json.loads(run("stats", "--json", env=env).stdout)
         assert sum(s["ram_keys"] for s in stats.values()) == 1
         refused = run("get", "greeting", env=no_token, check=False)

@@ -54,6 +54,9 @@ def refused(capsys, *argv: str) -> str:
     (["daemon", "--heartbeat", "0"], "argument --heartbeat: must be a finite number of seconds > 0, got 0.0"),
     (["daemon", "--fence-after", "inf"], "argument --fence-after: must be a finite number of seconds > 0, got inf"),
     (["daemon", "--lease", "soon"], "argument --lease: expected a number of seconds, got 'soon'"),
+    # below 0.05 s every local get missed and the reaper woke thousands of times a second
+    (["daemon", "--lease", "0.001"], "argument --lease: must be a finite number of seconds >= 0.05, got 0.001"),
+    (["daemon", "--lease", "0"], "argument --lease: must be a finite number of seconds >= 0.05, got 0.0"),
     (["daemon", "--max-connections", "0"], "argument --max-connections: expected a whole number >= 1"),
     (["daemon", "--mem", "lots"], "argument --mem: cannot read size 'lots'"),
     (["master", "--raft", "127.0.0.1:1", "--peers", "127.0.0.1:1", "--down-after", "nan"],
@@ -82,6 +85,64 @@ def test_put_file_that_cannot_be_read(capsys, tmp_path):
         f"gcache put: cannot read --file {missing}: No such file or directory"
     assert refused(capsys, "put", "k", "--file", str(tmp_path), "--nodes", nodes) == \
         f"gcache put: cannot read --file {tmp_path}: Is a directory"
+
+
+def test_put_without_a_value_is_a_usage_error_not_an_empty_value(capsys):
+    """`gcache put KEY` stored an empty value (a forgotten argument, or a shell variable that
+    expanded to nothing, silently overwrote the key). The value, --file FILE or --file - (stdin)
+    must be given; "" stores an empty value on purpose."""
+    nodes = f"127.0.0.1:{closed_port()}"  # never reached: the arguments are checked first
+    code, out, err = gcache(capsys, "put", "k", "--nodes", nodes)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("usage: gcache put") and "--file - to read standard input" in err.splitlines()[-1]
+    code, _out, err = gcache(capsys, "put", "k", "v", "--file", "/dev/null", "--nodes", nodes)
+    assert code == 2 and "give the value or --file, not both" in err
+    # "" is explicit: it gets as far as the (closed) node
+    assert "Connection refused" in refused(capsys, "put", "k", "", "--nodes", nodes, "--timeout", "1")
+
+
+def test_put_file_larger_than_the_max_value_is_refused_without_reading_it_all(tmp_path):
+    """`gcache put k --file /dev/zero` read until memory ran out (a MemoryError traceback, or
+    the OOM killer). At most --max-size (the daemons' default --max-value) + 1 bytes are read
+    now, and more is refused by name; a real process under a 1 GiB address-space limit."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    nodes = f"127.0.0.1:{closed_port()}"  # never reached: the file is refused first
+    p = subprocess.run([*GCACHE, "put", "k", "--file", "/dev/zero", "--nodes", nodes], capture_output=True,
+                       text=True, timeout=120, check=False, preexec_fn=limited)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("gcache put: --file /dev/zero holds more than --max-size 64.0MiB (a daemon refuses "
+                                "values above its --max-value); give --max-size SIZE for daemons started with a "
+                                "larger --max-value")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    p = subprocess.run([*GCACHE, "put", "k", "--file", "-", "--max-size", "4KiB", "--nodes", nodes],
+                       input=big.read_bytes(), capture_output=True, timeout=120, check=False)
+    assert p.returncode == 1 and b"--file standard input holds more than --max-size 4.0KiB" in p.stderr, p.stderr
+
+
+def test_unknown_arguments_print_the_commands_usage(capsys):
+    code, _out, err = gcache(capsys, "up", "--bogus")
+    assert code == 2 and err.startswith("usage: gcache up") and "{daemon,master" not in err
+    assert err.strip().splitlines()[-1] == "gcache up: error: unrecognized arguments: --bogus"
+
+
+def test_a_refused_token_says_how_to_give_one_and_clear_does_not_say_run_it_again(capsys, make_cluster, tmp_path,
+                                                                                 monkeypatch):
+    for var in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE", "GCACHE_MASTERS"):
+        monkeypatch.delenv(var, raising=False)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    nodes = make_cluster(nodes=1, mem="16MiB", extra_args=["--token-file", str(token), "--no-pretouch"]).addresses[0]
+    says = refused(capsys, "get", "k", "--nodes", nodes)
+    assert "cluster token" in says and "--token-file FILE or $GCACHE_TOKEN_FILE" in says, says
+    says = refused(capsys, "clear", "-n", "ns", "--yes", "--nodes", nodes, "--timeout", "5")
+    assert "NOT cleared" in says and "run it again" not in says and "--token-file FILE" in says, says
+    code, _out, err = gcache(capsys, "get", "k", "--nodes", nodes, "--token-file", str(token))
+    assert code == 1 and err.strip() == "NOT_FOUND"  # with the token: an ordinary miss
 
 
 def test_get_out_path_is_checked_before_fetching(capsys, tmp_path):
@@ -119,6 +180,8 @@ def test_config_check_refuses_what_the_daemon_refuses(tmp_path):
         "no_max_value.toml": ("[daemon]\nmax_value = 0\n", ":2: [daemon] max_value: max_value_bytes must be >= 1"),
         "inf_heartbeat.toml": ("[daemon]\nheartbeat = inf\n", ":2: [daemon] heartbeat: expected a finite number"),
         "nan_master.toml": ("[master]\nsuspect_after = nan\n", ":2: [master] suspect_after: expected a finite"),
+        "short_lease.toml": ("[daemon]\nlease = 0.001\n",
+                             ":2: [daemon] lease: must be a finite number of seconds >= 0.05, got 0.001"),
     }
     paths = []
     for name, (text, _) in files.items():

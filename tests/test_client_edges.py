@@ -91,3 +91,54 @@ def test_a_client_no_master_answers_fails_fast_and_says_why():
         Client("gcache://" + ",".join(f"127.0.0.1:{p}" for p in ports), token="t", timeout_s=0.5)
     assert time.monotonic() - t0 < 2.0
     assert "no master answered" in str(err.value) and "UNAVAILABLE" in str(err.value)
+
+
+@pytest.mark.parametrize("bare", ["abc", b"abc"])
+def test_a_bare_str_or_bytes_where_keys_are_expected_is_refused_not_split_into_characters(make_cluster, bare):
+    """delete("abc") deleted the keys "a", "b" and "c" (a str is a sequence of one-character
+    keys); put/get/exists did the same. A batch call now refuses a bare str or bytes with a
+    TypeError that says what to pass, and touches nothing."""
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, local=LocalPath.OFF) as cl:
+        assert cl.put(["a", "b", "c"], [b"1", b"2", b"3"]) == [Status.OK] * 3
+        calls = {"delete": lambda: cl.delete(bare), "delete_status": lambda: cl.delete_status(bare),
+                 "exists": lambda: cl.exists(bare), "get": lambda: cl.get(bare),
+                 "get_into": lambda: cl.get_into(bare, [bytearray(1)] * 3),
+                 "put": lambda: cl.put(bare, [b"x"] * 3), "owners": lambda: cl.owners(bare)}
+        for name, call in calls.items():
+            with pytest.raises(TypeError, match="sequence of keys.*bare") as err:
+                call()
+            assert "get_one" in str(err.value), name
+        assert cl.get(["a", "b", "c"]) == [b"1", b"2", b"3"]
+        assert cl.get_one("abc") is None and cl.delete(["abc"]) == [False]  # the single-key forms still work
+
+
+def test_an_empty_namespace_is_refused_not_taken_for_the_clients(make_cluster):
+    """namespace="" meant the client's namespace (``namespace or self.namespace``), so
+    clear(namespace="") wiped the default namespace. The daemons refuse an empty namespace,
+    and so does every call now; None stays "the client's namespace"."""
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, local=LocalPath.OFF) as cl:
+        assert cl.put(["k"], [b"v"]) == [Status.OK]
+        calls = {"clear": lambda: cl.clear(namespace=""), "put": lambda: cl.put(["k"], [b"x"], namespace=""),
+                 "get": lambda: cl.get(["k"], namespace=""), "exists": lambda: cl.exists(["k"], namespace=""),
+                 "delete": lambda: cl.delete(["k"], namespace=""), "owners": lambda: cl.owners(["k"], namespace=""),
+                 "get_into": lambda: cl.get_into(["k"], [bytearray(1)], namespace="")}
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match="namespace must be"):
+                call()
+            assert cl.get(["k"]) == [b"v"], f"{name}(namespace='') touched the default namespace"
+        assert cl.get(["k"], namespace=None) == [b"v"] and cl.get(["k"], namespace="default") == [b"v"]
+
+
+def test_on_failure_hears_each_failed_owner_when_failures_are_misses():
+    """With on_node_error=MISS a failed owner's keys are misses and nothing is raised; on_failure
+    is how a caller that must not raise (the SGLang embedding store) still learns why."""
+    seen = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connection refused
+        with Client([down], local=LocalPath.OFF, on_node_error=OnNodeError.MISS, on_failure=seen.append,
+                    timeout_s=2.0) as cl:
+            assert cl.get(["k"]) == [None] and cl.exists(["k"]) == [False]
+    assert len(seen) == 2 and all(down in str(e) for e in seen), seen

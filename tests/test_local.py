@@ -17,7 +17,7 @@ from gcache import protocol as P
 from gcache.client import fanout
 from gcache.net.address import is_local_host, unix_name
 from gcache.transport import open_connection
-from tests.conftest import poll
+from tests.conftest import poll, sigstop
 from tests.test_local_batch import keys_of
 
 
@@ -224,6 +224,49 @@ def test_a_client_dying_mid_put_leaks_no_slot(make_cluster, how):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+STOPPED_READER_SCRIPT = r"""
+import sys, time
+from gcache.transport import open_connection
+from gcache import protocol as P
+conn = open_connection("n", sys.argv[1], 2.0, None, local=True)
+r = conn.call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)
+print(r["ls"], r["off"][0], flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_stopped_reader_whose_lease_expired_can_be_shed_at_the_connection_cap(make_cluster):
+    """A local reader stopped (SIGSTOP) between LGET and LDONE holds a read lease; once the
+    reaper released it, the connection holds nothing and is shed like any idle one when the
+    cap is reached. Before, ConnState.holding stayed set after the lease expired (only a
+    request reset it), so the stopped client's connection could never be shed and every
+    newcomer was answered BUSY for as long as it stayed stopped."""
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--lease", "0.3", "--max-connections", "1"])
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.OFF, timeout_s=5.0) as cl:
+        assert cl.put_one("k", b"r" * 300_000) is Status.OK
+    p = subprocess.Popen([sys.executable, "-c", STOPPED_READER_SCRIPT, addr], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lease, off = map(int, p.stdout.readline().split())
+        assert lease > 0 and off >= 0, "the value was not leased from the arena"
+        sigstop(p.pid)
+
+        def expired():
+            with open(c.daemons[0].log_path, errors="replace") as f:
+                return "expired; read pins released" in f.read()
+
+        assert poll(expired, 5), "the stopped reader's lease never ran out"
+        # at the cap (1 connection, the stopped reader's): the newcomer takes its place
+        with Client([addr], local=LocalPath.OFF, timeout_s=5.0, connect_timeout_s=5.0) as other:
+            assert other.get_one("k") == b"r" * 300_000
+            assert addr in other.stats()
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
 
 
 def test_local_socket_is_not_on_the_filesystem_and_requires_the_token(tmp_path):

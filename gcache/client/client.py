@@ -18,6 +18,7 @@ from typing import Any, Self
 from gcache.client.buffers import as_view
 from gcache.client.config import ClientConfig, LocalPath, OnNodeError
 from gcache.client.fanout import Fanout
+from gcache.client.keys import KeyLike, check_keys, key_bytes, per_key
 from gcache.client.ops import GetOp, Operation, PutOp
 from gcache.client.pool import Pool
 from gcache.client.replies import OK, Dest, parts
@@ -32,7 +33,6 @@ from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
 from gcache.transport import Transport
 
-KeyLike = str | bytes
 CLEAR_TIMEOUT_S = 30.0  # a clear deletes a namespace's every key: longer than a batch call
 CLEAR_ROUNDS = 3  # a clear is sent again to a membership that changed meanwhile, at most this often
 
@@ -68,14 +68,6 @@ class ClearResult:
     def complete(self) -> bool:
         """Every daemon of the membership acknowledged: no key of the namespace is left."""
         return not self.failed
-
-
-def _key_bytes(key: KeyLike) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, str):
-        return key.encode()
-    raise TypeError(f"keys are str or bytes, got {type(key).__name__}")
 
 
 class Client:
@@ -125,6 +117,16 @@ class Client:
     @property
     def namespace(self) -> str:
         return self.config.namespace
+
+    def _ns(self, namespace: str | None) -> str:
+        """The namespace a call names: None is the client's own; anything else must be a valid
+        namespace (an empty one is refused, not taken for the client's: a clear of it would
+        wipe the client's namespace)."""
+        if namespace is None:
+            return self.namespace
+        if err := namespace_error(namespace):
+            raise ValueError(err)
+        return namespace
 
     @property
     def token(self) -> str | None:
@@ -176,7 +178,8 @@ class Client:
 
     def owners(self, keys: Sequence[KeyLike], namespace: str | None = None) -> list[str]:
         """Node id that owns each key."""
-        return self._view.ring.owners(namespace or self.namespace, [_key_bytes(k) for k in keys])
+        check_keys(keys)
+        return self._view.ring.owners(self._ns(namespace), [key_bytes(k) for k in keys])
 
     # -- batch operations -------------------------------------------------------------------
     def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float | Sequence[float] = 0.0,
@@ -193,21 +196,23 @@ class Client:
         one for all or one per key). See gcache.tier.pools.
         ``handover`` is for daemons pushing keys to their new owner: each is stored only where no
         client has written or deleted it meanwhile (gcache.server.touchlog)."""
+        check_keys(keys)
+        namespace = self._ns(namespace)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         n = len(keys)
-        ttls = _per_key("ttl_s", ttl_s, n, float)
-        fmts = _per_key("fmt", fmt, n, int)
+        ttls = per_key("ttl_s", ttl_s, n, float)
+        fmts = per_key("fmt", fmt, n, int)
         if any(t < 0 for t in (ttls if isinstance(ttls, list) else [ttls])):
             raise ValueError("ttl_s must be >= 0")
         if any(not 0 <= f < 1 << 32 for f in (fmts if isinstance(fmts, list) else [fmts])):
             raise ValueError("fmt must be an unsigned 32-bit int")
-        pos_ = _per_key("pos", list(pos), n, int) if pos is not None else None
-        tail_ = _per_key("tail", list(tail), n, int) if tail is not None else None
+        pos_ = per_key("pos", list(pos), n, int) if pos is not None else None
+        tail_ = per_key("tail", list(tail), n, int) if tail is not None else None
         if any(is_device_tensor(v) for v in values):
             return self.staging().put(self, keys, values, ttl_s=ttls, namespace=namespace, pool=pool, pos=pos_,
                                       tail=tail_, fmt=fmts)
-        kb = [k if type(k) is bytes else _key_bytes(k) for k in keys]
+        kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
         if len(set(kb)) != n:
             # the same key more than once: the last value wins, as if written in order (the
             # copies could go out in different requests, landing in any order)
@@ -221,7 +226,7 @@ class Client:
                           pool=pool, pos=pick(pos_), tail=pick(tail_), fmt=pick(fmts), handover=handover)
             got = dict(zip(keep, st))
             return [got[last[k]] for k in kb]
-        op = PutOp(namespace or self.namespace, [parts(v) for v in values],
+        op = PutOp(namespace, [parts(v) for v in values],
                    {"ttl": ttls, "fmt": fmts, "pos": pos_, "tail": tail_}, pool, handover)
         self._run(op, kb)
         return op.status
@@ -231,6 +236,7 @@ class Client:
         """Read values straight into the caller's buffers (each at least the value's size). A
         buffer may be a list/tuple of buffers, filled in order (scatter). ``with_meta``: also
         return each hit's value-metadata record (GetResult.meta; not for device tensors)."""
+        check_keys(keys)
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if any(is_device_tensor(b) for b in buffers):
@@ -239,21 +245,23 @@ class Client:
             return GetResult(st, [staging.copier.nbytes(b) if s is OK else 0 for s, b in zip(st, buffers)])
         views: list[Dest] = [parts(b, True) if isinstance(b, (list, tuple)) else as_view(b, writable=True)
                              for b in buffers]
-        return self._get(keys, views, namespace or self.namespace, with_meta)[0]
+        return self._get(keys, views, self._ns(namespace), with_meta)[0]
 
     def get(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bytearray | None]:
         """Read values into new bytearrays (convenience; get_into avoids the allocation)."""
-        res, bufs = self._get(keys, None, namespace or self.namespace)
+        check_keys(keys)
+        res, bufs = self._get(keys, None, self._ns(namespace))
         return [buf if st is OK else None for st, buf in zip(res.status, bufs)]
 
     def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None,
                tail: Sequence[int] | None = None) -> list[bool]:
         """Whether each key is stored (a hit refreshes its recency). ``tail`` re-marks existing
         pooled pages as restore-point (1) or interior (0) pages."""
+        check_keys(keys)
         if tail is not None and len(tail) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(tail)} tail values")
         per_key = {"tail": [int(t) for t in tail]} if tail is not None else None
-        op = Operation(Op.EXISTS, namespace or self.namespace, len(keys), per_key)
+        op = Operation(Op.EXISTS, self._ns(namespace), len(keys), per_key)
         self._run(op, keys)
         return [s is OK for s in op.status]
 
@@ -264,7 +272,8 @@ class Client:
     def delete_status(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[Status]:
         """Delete, with each key's Status: OK (it existed), NOT_FOUND, or (with OnNodeError.MISS)
         UNAVAILABLE when its owner failed, so the delete may not have happened."""
-        op = Operation(Op.DELETE, namespace or self.namespace, len(keys))
+        check_keys(keys)
+        op = Operation(Op.DELETE, self._ns(namespace), len(keys))
         self._run(op, keys)
         return op.status
 
@@ -274,10 +283,7 @@ class Client:
         meanwhile (a joiner may have been handed keys). ``complete`` only when each one
         acknowledged; one that did not keeps its keys. ``timeout_s``: per round (default the
         larger of the client's timeout and CLEAR_TIMEOUT_S)."""
-        ns = namespace or self.namespace
-        err = namespace_error(ns)
-        if err:
-            raise ValueError(err)
+        ns = self._ns(namespace)
         self.refresh_membership()
         deleted: dict[str, int] = {}
         for _ in range(CLEAR_ROUNDS):
@@ -339,9 +345,12 @@ class Client:
             raise ValueError(err)
         if not keys:
             return
-        failures = self._fanout.run(op, [k if type(k) is bytes else _key_bytes(k) for k in keys])
+        failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys])
         if failures and self.config.on_node_error is OnNodeError.RAISE:
             raise failures[0]
+        if failures and self.config.on_failure is not None:
+            for exc in failures:
+                self.config.on_failure(exc)
 
     def staging(self) -> StagingPool:
         """The pinned staging pool that carries device tensors over host transports."""
@@ -379,17 +388,3 @@ class Client:
                 out[node] = {"error": str(exc)}
                 conn.close()
         return out
-
-
-
-def _per_key(name: str, v: Any, n: int, kind: type) -> Any:
-    """A per-key argument given once for all keys (returned as is) or as one value per key (as
-    a list of ``kind``)."""
-    if isinstance(v, (int, float)):
-        return kind(v)
-    out = [kind(x) for x in v]
-    if len(out) != n:
-        raise ValueError(f"{n} keys but {len(out)} {name} values")
-    return out
-
-

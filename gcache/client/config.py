@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.errors import ConfigError
+from gcache.errors import ConfigError, GCacheError
 from gcache.protocol import namespace_error
 from gcache.transport import Transport
 
@@ -40,7 +41,10 @@ class ClientConfig:
     least this many bytes per extra round trip of copying through the mapped arena instead (a get's
     lease costs one, a put's two: LALLOC, LCOMMIT); 0 always copies through the arena. ``transport``: TCP, UCX (daemons
     run with ``--ucx``; UCX brings its own shared memory, so the local path is off; the UCX_*
-    environment picks UCX's transports) or MEMORY (in-process daemons, for tests)."""
+    environment picks UCX's transports) or MEMORY (in-process daemons, for tests).
+    ``on_failure``: with ``on_node_error=MISS``, called in the calling thread with each owner's
+    failure in a batch (its keys answered as misses / UNAVAILABLE), so a caller that must not
+    raise can still log and count why (a wrong token, an unreachable daemon)."""
 
     namespace: str = "default"
     timeout_s: float = 2.0
@@ -53,6 +57,7 @@ class ClientConfig:
     split_keys: int = 64
     local_min_bytes: int = 256 << 10
     transport: Transport = Transport.TCP
+    on_failure: Callable[[GCacheError], None] | None = None
 
     def __post_init__(self) -> None:
         err = namespace_error(self.namespace)

@@ -310,22 +310,30 @@ def _line(lines: dict[tuple, int], path: tuple) -> int:
     return line_of(lines, path)
 
 
-def check(path: str, validators: dict[str, Validator] | None = None) -> list[Problem]:
+def _read(path: str) -> str:
+    """The file's text; ConfigError (naming the file) when it cannot be read or is not UTF-8."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        return [Problem(0, 0, "", f"cannot read: {exc}")]
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); TOML files must be UTF-8") from None
+
+
+def check(path: str, validators: dict[str, Validator] | None = None) -> list[Problem]:
+    try:
+        text = _read(path)
+    except ConfigError as exc:
+        return [Problem(0, 0, "", str(exc))]
     return check_text(text, validators)[1]
 
 
 def load(path: str) -> dict:
-    """The validated document, or ConfigFileError naming every problem with its line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
+    """The validated document, or ConfigError naming the file (it cannot be read, or is not
+    UTF-8) or ConfigFileError naming every problem with its line."""
+    text = _read(path)
     doc, problems = check_text(text)
     if problems:
         raise ConfigFileError(path, problems)

@@ -14,7 +14,9 @@ copies values directly between the arena and its own buffers: one copy, no socke
   copying into those slots, and giving them to another value would let it overwrite that value.
   Its LCOMMIT then still commits (the slots were never reused); any other request but LMAP (a
   client's first put maps the arena writable between LALLOC and copying) aborts them. A
-  connection holding leases is never the one closed to admit another at the connection cap.
+  connection holding leases is never the one closed to admit another at the connection cap; one
+  whose read leases the reaper released holds nothing any more and may be (a stopped reader
+  must not keep its slot, and every newcomer out, for as long as it stays stopped).
 
 Values that are not in the arena (an NVMe hit that could not be promoted) are sent inline.
 
@@ -38,6 +40,8 @@ import time
 from typing import Any
 
 from gcache import protocol as P
+from gcache.argtypes import seconds_error
+from gcache.errors import ConfigError
 from gcache.net.address import unix_name
 from gcache.net.stream import SocketStream
 from gcache.net.wire import shutdown_quietly
@@ -48,6 +52,10 @@ from gcache.tier.store import Hit, Reservation
 from gcache.tier.valuemeta import NO_META, ValueMeta, parse_value_meta
 
 log = logging.getLogger(__name__)
+# The shortest lease (--lease): it must outlast an LGET's reply, the client's copy and its LDONE,
+# and the reaper wakes every lease/4. Below this a scheduling delay turns every local get into a
+# miss, and the reaper spins (at --lease 0.001, 4000 wake-ups a second).
+MIN_LEASE_S = 0.05
 
 
 class _Lease:
@@ -105,6 +113,8 @@ class LocalHandler(Handler):
                     self._overdue[lid] = lease
                 else:
                     leases.append(lease)
+            if dead:  # a released read lease no longer protects a copy: the connection may be shed
+                self._update_holding()
         for lease in leases:
             self._drop(lease)
         if dead:
@@ -126,8 +136,15 @@ class LocalHandler(Handler):
                     stale = [self._overdue.pop(lid) for lid in overdue if lid in self._overdue]
                 for lease in stale:
                     self._drop(lease)
-            if self.state is not None:
-                self.state.holding = bool(self._leases or self._overdue)
+            with self._lease_lock:
+                self._update_holding()
+
+    def _update_holding(self) -> None:
+        """Tell admission whether this connection holds leases (under ``_lease_lock``: the
+        reaper and the connection's thread both call it). Overdue put reservations still count:
+        the client may be copying into them, and shedding would abort them."""
+        if self.state is not None:
+            self.state.holding = bool(self._leases or self._overdue)
 
     def release_all(self) -> None:
         with self._lease_lock:
@@ -239,6 +256,8 @@ class LocalServer:
         os.fchmod(store.arena.fd, 0o600)
         # a descriptor of the same pages that cannot be mapped writable (what readers get)
         self.read_only_fd = os.open(f"/proc/self/fd/{store.arena.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        if err := seconds_error(lease_s, minimum=MIN_LEASE_S):
+            raise ConfigError(f"--lease {err}", "lease_s")
         self.lease_s = lease_s
         self.arena_id = secrets.token_hex(8)
         self.name = unix_name(tcp_address)

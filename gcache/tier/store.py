@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
-from gcache.protocol import Status
+from gcache.protocol import DEFAULT_MAX_VALUE_BYTES, Status
 from gcache.tier.arena import Arena
 from gcache.tier.eviction import EvictionConfig
 from gcache.tier.nvme import Location, NvmeTier
@@ -62,7 +62,7 @@ class StoreConfig:
     mem_bytes: int
     disk_dir: str | None = None
     disk_bytes: int = 0
-    max_value_bytes: int = 64 << 20
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     demote_queue_bytes: int = 256 << 20
     full_wait_s: float = 2.0
     promote_on_hit: bool = True

@@ -98,6 +98,30 @@ def test_syntax_error_gives_line_and_column(tmp_path):
     assert len(missing) == 1 and "cannot read" in missing[0].message
 
 
+def test_a_config_file_that_is_not_utf8_is_refused_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A config file with a byte that is not UTF-8 (a Latin-1 editor, a binary file named by
+    mistake) raised UnicodeDecodeError out of load(): a traceback from `gcache daemon --config`,
+    the router and the SGLang adapter. It is a ConfigError that names the file now."""
+    from gcache.errors import ConfigError
+    from sglang_adapter.config import AdapterConfig
+
+    f = tmp_path / "latin1.toml"
+    f.write_bytes('[daemon]\nnode_id = "caf\u00e9"\n'.encode("latin-1"))
+    says = f"config file {str(f)!r} is not UTF-8 text (byte 0xe9 at offset 23)"
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0xe9 at offset 23\)") as err:
+        load(str(f))
+    assert str(f) in str(err.value)
+    assert cli.main(["daemon", "--config", str(f)]) == 2
+    assert says in capsys.readouterr().err
+    (prob,) = check(str(f))
+    assert says in prob.message
+    monkeypatch.setenv("GCACHE_CONFIG", str(f))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        AdapterConfig.from_extra({})
+    p = subprocess.run([*GCACHE, "status"], check=False, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_flags_override_the_file_and_file_overrides_defaults(tmp_path):
     f = tmp_path / "g.toml"
     f.write_text(textwrap.dedent("""\

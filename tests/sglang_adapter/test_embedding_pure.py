@@ -61,6 +61,7 @@ def test_config_from_mapping_json_and_environment(monkeypatch):
     ({"nodes": "h:1", "model": "m", "timeout_s": True}, "wrong type"),
     ({"nodes": "h:1", "model": "m", "local": "sometimes"}, "auto, off or force"),
     ({"nodes": "h:1", "model": "m", "bogus": 1}, "unknown config keys"),
+    ({"nodes": "h:1", "model": "m", "token_file": 7}, "'token_file' has the wrong type"),
     ({"nodes": "h:1", "model": "x" * 600}, "longer than"),
     ("{not json", "not JSON"),
     ("[1]", "JSON object"),
@@ -69,3 +70,17 @@ def test_bad_config_is_a_clear_error(bad, why, monkeypatch):
     monkeypatch.delenv("GCACHE_NODES", raising=False)
     with pytest.raises(ConfigError, match=why):
         EmbeddingStoreConfig.load(bad)
+
+
+def test_token_file_is_taken_and_resolved_like_every_other_entry_point(tmp_path, monkeypatch):
+    """The other adapter documents "token_file"; the embedding store refused it as unknown."""
+    for var in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    f = tmp_path / "token"
+    f.write_text("t0ken\n")
+    c = EmbeddingStoreConfig.load({"nodes": "h:1", "model": "m", "token_file": str(f)})
+    assert c.token_file == str(f) and c.token() == "t0ken"
+    monkeypatch.setenv("GCACHE_TOKEN", "from-env")
+    assert EmbeddingStoreConfig.load({"nodes": "h:1", "model": "m"}).token() == "from-env"
+    with pytest.raises(ConfigError, match="cannot read token file"):
+        EmbeddingStoreConfig.load({"nodes": "h:1", "model": "m", "token_file": str(tmp_path / "absent")}).token()

@@ -222,3 +222,86 @@ def test_another_dtype_hidden_size_or_model_is_a_miss(emb):
     same.prefetch("same", ["img"], [TOKENS], Modality.IMAGE)
     wait_prefetch(same, "same")
     assert S.pool_bytes(same, "img").equal(e)
+
+
+def _direct_store(sgl_cluster_addresses, rows=8, hidden=16, **cfg):
+    """A store with one registered bf16 pool of ``rows`` x ``hidden``, called directly (no controller)."""
+    import torch
+
+    from sglang_adapter.embedding import GCacheEmbeddingStore
+
+    store = GCacheEmbeddingStore({"nodes": sgl_cluster_addresses, "model": "test/vlm", "timeout_s": 5.0,
+                                  "connect_timeout_s": 2.0, **cfg})
+    pool = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    store.register_buffer(pool, modality="vision")
+    return store, pool
+
+
+def test_token_file_in_the_config_is_used_and_a_refused_token_is_logged_and_counted(sgl, make_cluster, tmp_path,
+                                                                                      monkeypatch, caplog):
+    """The embedding store refused the "token_file" key the other adapter documents, so it could
+    reach a cluster with a token only through the environment; and a refused token was silent:
+    every call answered False, nothing in the log, the errors metric 0."""
+    import logging
+
+    for var in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    addrs = make_cluster(nodes=1, mem="16MiB", extra_args=["--token-file", str(token), "--no-pretouch"]).addresses
+    store, pool = _direct_store(addrs, token_file=str(token))
+    row = pool.shape[1] * pool.element_size()
+    try:
+        pool[:2].fill_(3.0)
+        assert store.batch_put(["h"], [pool.data_ptr()], [2 * row]) == [True]
+        pool.zero_()
+        assert store.batch_get(["h"], [pool.data_ptr()], [2 * row]) == [True] and bool((pool[:2] == 3.0).all())
+        assert store.metrics()["errors"] == 0
+    finally:
+        store.close()
+    caplog.set_level(logging.WARNING, logger="sglang_adapter.embedding")
+    for local in ("off", "force"):  # over TCP, and over the local shared-memory path
+        without, pool = _direct_store(addrs, local=local)
+        try:
+            caplog.clear()
+            assert without.batch_get(["h"], [pool.data_ptr()], [2 * row]) == [False]
+            assert without.batch_put(["g"], [pool.data_ptr()], [2 * row]) == [False]
+            assert without.batch_is_exist(["h"]) == [False]
+            assert without.metrics()["errors"] >= 3, (local, without.metrics())
+            lines = [r.getMessage() for r in caplog.records if "token" in r.getMessage()]
+            assert len(lines) == 1 and "token_file" in lines[0] and "GCACHE_TOKEN_FILE" in lines[0], \
+                (local, [r.getMessage() for r in caplog.records])
+        finally:
+            without.close()
+
+
+def test_an_empty_embedding_is_refused_and_an_entry_that_cannot_be_one_is_deleted_when_read(sgl, make_cluster):
+    """A 0-byte put stored an empty value under the embedding's content hash: from then on
+    skip_existing took the hash for stored and never sent the real embedding, and every get
+    missed (size mismatch), for good. Empty embeddings are refused now, and an entry that cannot
+    be an embedding of the reader's format (empty, or not whole rows), written by anything else,
+    is deleted by the first get, so the next put stores the real one."""
+    from gcache import Client, LocalPath, Status
+
+    addrs = make_cluster(nodes=1, mem="16MiB", extra_args=["--no-pretouch"]).addresses
+    store, pool = _direct_store(addrs)
+    row = pool.shape[1] * pool.element_size()
+    key = store.get_key("h")
+    try:
+        assert store.batch_put(["h"], [pool.data_ptr()], [0]) == [False]
+        assert store.batch_get(["h"], [pool.data_ptr()], [0]) == [False]
+        assert store.metrics()["empty"] == 2
+        with Client(addrs, namespace="sglang-emb", local=LocalPath.OFF) as raw:
+            assert raw.exists([key]) == [False], "an empty embedding was stored"
+            for poison in (b"", b"x" * (row + 1)):  # an older writer's empty value; a partial row
+                assert raw.put([key], [poison]) == [Status.OK]
+                assert raw.exists([key]) == [True]
+                assert store.batch_get(["h"], [pool.data_ptr()], [2 * row]) == [False]
+                assert raw.exists([key]) == [False], f"an entry of {len(poison)} bytes was left in place"
+        pool[:2].fill_(5.0)
+        assert store.batch_put(["h"], [pool.data_ptr()], [2 * row]) == [True]
+        assert store.metrics()["put_stored"] == 1 and store.metrics()["bad_entries"] == 2
+        pool.zero_()
+        assert store.batch_get(["h"], [pool.data_ptr()], [2 * row]) == [True] and bool((pool[:2] == 5.0).all())
+    finally:
+        store.close()

@@ -1,0 +1,34 @@
+"""Checks of a batch call's arguments: its keys, and a per-key argument given once or per key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+KeyLike = str | bytes
+
+
+def key_bytes(key: KeyLike) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, str):
+        return key.encode()
+    raise TypeError(f"keys are str or bytes, got {type(key).__name__}")
+
+
+def check_keys(keys: object) -> None:
+    """A batch takes a sequence of keys: a bare str or bytes would be taken as one key per
+    character (or per byte), so it is refused; the *_one forms take a single key."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"keys must be a sequence of keys (str or bytes), got a bare {type(keys).__name__}: "
+                        f"pass [key], or use the *_one form (put_one, get_one, exists_one)")
+
+
+def per_key(name: str, v: Any, n: int, kind: type) -> Any:
+    """A per-key argument given once for all keys (returned as is) or as one value per key (as
+    a list of ``kind``)."""
+    if isinstance(v, (int, float)):
+        return kind(v)
+    out = [kind(x) for x in v]
+    if len(out) != n:
+        raise ValueError(f"{n} keys but {len(out)} {name} values")
+    return out
