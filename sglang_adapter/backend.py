@@ -47,8 +47,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from gcache.client import Client
 from gcache.client.client import OnNodeError
+from gcache.errors import GCacheError
 from gcache.protocol import Status
+from gcache.ratelog import RateLimitedLog
 from sglang_adapter.config import AdapterConfig
+from sglang_adapter.failures import report_owner_failure
 from sglang_adapter.keys import KeyScheme, model_name, page_format
 from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format, served_model
 from sglang_adapter.window import PoolCheck, leading, window_safe
@@ -84,7 +87,9 @@ class GCacheStorage(HiCacheStorage):
         self._flat: tuple[Any, str, str, list[int]] | None = None  # (KV host pool, its flat page's kind, dtype, shape)
         self.client = Client(self.config.target(), namespace=self.config.namespace, token=self.config.token(),
                              timeout_s=self.config.timeout_s, connect_timeout_s=self.config.connect_timeout_s,
-                             on_node_error=OnNodeError.MISS, local=self.config.local)
+                             on_node_error=OnNodeError.MISS, local=self.config.local,
+                             on_failure=self._owner_failed)
+        self._limited = RateLimitedLog(log, burst=1, window_s=60.0)  # failures repeat on every call: a line a minute
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host = None
         self._metrics_lock = threading.Lock()
@@ -96,6 +101,10 @@ class GCacheStorage(HiCacheStorage):
 
     def __repr__(self) -> str:
         return f"GCacheStorage(ns={self.config.namespace!r}, pools={sorted(self.registered_pools)})"
+
+    def _owner_failed(self, exc: GCacheError) -> None:
+        """An owner failed in a batch (Client on_failure): its pages were answered as misses."""
+        report_owner_failure(self._limited, exc, "gcache storage", "pages", "'token_file' in extra_config")
 
     # -- registration -------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

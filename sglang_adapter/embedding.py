@@ -40,10 +40,11 @@ from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
 from gcache.client import Client
 from gcache.client.client import OnNodeError
-from gcache.errors import GCacheError, ServerError
-from gcache.protocol import ErrorCode, Status
+from gcache.errors import GCacheError
+from gcache.protocol import Status
 from gcache.ratelog import RateLimitedLog
 from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys
+from sglang_adapter.failures import report_owner_failure
 
 log = logging.getLogger(__name__)
 _DEFAULT_MODALITIES = ("vision", "audio")  # the order EmbeddingCacheController registers its pools in
@@ -212,12 +213,8 @@ class GCacheEmbeddingStore(EmbeddingStore):
         """An owner failed in a batch (Client on_failure): its embeddings were answered as misses."""
         with self._lock:
             self._m.errors += 1
-        if isinstance(exc, ServerError) and exc.code == ErrorCode.AUTH:
-            self._limited.error("auth", "gcache embedding store: %s: every embedding it owns is a miss; give the cluster "
-                          "token with 'token_file' in the store's config (--gcache-emb-config) or $GCACHE_TOKEN_FILE",
-                          exc)
-        else:
-            self._limited.warning("owner", "gcache embedding store: %s: the embeddings it owns were answered as misses", exc)
+        report_owner_failure(self._limited, exc, "gcache embedding store", "embeddings",
+                             "'token_file' in the store's config (--gcache-emb-config)")
 
     def _drop_bad_entries(self, keys: list[bytes]) -> None:
         """Delete stored entries that cannot be an embedding of the reader's format (empty, or

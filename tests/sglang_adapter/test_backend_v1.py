@@ -211,3 +211,37 @@ def test_legacy_tensor_path_keys_carry_dtype_and_shape(adapter_cluster):
     half = torch.zeros(8, 8, dtype=torch.bfloat16)  # same byte size, other dtype and shape
     assert s.batch_get(["leg-0"], [half]) == [None] and not half.any()
     s.close()
+
+
+def test_a_refused_token_is_logged_once_not_silent(make_cluster, tmp_path, monkeypatch, caplog):
+    """With OnNodeError.MISS a daemon refusing the token made every page a miss and said nothing:
+    SGLang ran on without its L3 and nothing told the operator why."""
+    import logging
+
+    import torch
+
+    for var in ("GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    c = make_cluster(nodes=1, mem="32MiB", extra_args=[*POOL_ARGS, "--token-file", str(token)])
+    src = mha_host_pool()
+    fill_random(src, seed=5)
+    idx = torch.arange(0, 16)
+    caplog.set_level(logging.WARNING, logger="sglang_adapter.backend")
+    s = make_storage(c.addresses)  # no token
+    try:
+        s.register_mem_pool_host(src)
+        assert s.batch_set_v1(["a", "b", "c", "d"], idx) == [False] * 4
+        assert s.batch_get_v1(["a", "b", "c", "d"], idx) == [False] * 4
+        assert s.batch_exists(["a", "b"]) == 0
+    finally:
+        s.close()
+    lines = [r.getMessage() for r in caplog.records if "token" in r.getMessage()]
+    assert len(lines) == 1 and "token_file" in lines[0] and "GCACHE_TOKEN_FILE" in lines[0], lines
+    good = make_storage(c.addresses, {"token_file": str(token)})
+    try:
+        good.register_mem_pool_host(src)
+        assert good.batch_set_v1(["a", "b", "c", "d"], idx) == [True] * 4
+    finally:
+        good.close()
