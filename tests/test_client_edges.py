@@ -131,6 +131,17 @@ def test_an_empty_namespace_is_refused_not_taken_for_the_clients(make_cluster):
         assert cl.get(["k"], namespace=None) == [b"v"] and cl.get(["k"], namespace="default") == [b"v"]
 
 
+def test_a_ttl_that_is_not_a_finite_number_of_seconds_is_refused(make_cluster):
+    """A NaN TTL passed the ``t < 0`` check and went to the daemons."""
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, local=LocalPath.OFF) as cl:
+        for bad in (float("nan"), float("inf"), -1.0, [1.0, float("nan")]):
+            with pytest.raises(ValueError, match="ttl_s must be a finite number"):
+                cl.put(["k", "j"], [b"v", b"w"], ttl_s=bad)
+        assert cl.exists(["k", "j"]) == [False, False]
+        assert cl.put(["k"], [b"v"], ttl_s=30.0) == [Status.OK] and cl.get(["k"]) == [b"v"]
+
+
 def test_on_failure_hears_each_failed_owner_when_failures_are_misses():
     """With on_node_error=MISS a failed owner's keys are misses and nothing is raised; on_failure
     is how a caller that must not raise (the SGLang embedding store) still learns why."""

@@ -9,6 +9,7 @@ the caller's buffers with recv_into.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -203,8 +204,8 @@ class Client:
         n = len(keys)
         ttls = per_key("ttl_s", ttl_s, n, float)
         fmts = per_key("fmt", fmt, n, int)
-        if any(t < 0 for t in (ttls if isinstance(ttls, list) else [ttls])):
-            raise ValueError("ttl_s must be >= 0")
+        if not all(0 <= t < math.inf for t in (ttls if isinstance(ttls, list) else [ttls])):  # NaN fails too
+            raise ValueError("ttl_s must be a finite number of seconds >= 0 (0: no expiry)")
         if any(not 0 <= f < 1 << 32 for f in (fmts if isinstance(fmts, list) else [fmts])):
             raise ValueError("fmt must be an unsigned 32-bit int")
         pos_ = per_key("pos", list(pos), n, int) if pos is not None else None
