@@ -79,6 +79,27 @@ def test_a_membership_refresh_ends_by_the_deadline_it_is_given(mastered):
         assert time.monotonic() - t0 < 0.8
 
 
+def test_a_silent_first_master_costs_a_bootstrap_a_short_wait_not_its_whole_attempt(mastered, monkeypatch):
+    """A master that accepts connections and never answers (a stopped process, a host behind a
+    DROP rule) cost every client that tried it first its whole attempt (1 s), one per silent
+    master; now the others are asked at once after a short wait, and the watch moves on."""
+    c = mastered
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nothing ever answers
+        quiet = f"127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setattr(MasterClient, "shuffled", lambda self: sorted(self.addresses, key=lambda a: a != quiet))
+        url = f"gcache://{quiet},{c.master_url.removeprefix('gcache://')}"
+        for _ in range(3):
+            t0 = time.monotonic()
+            with Client(url, token=c.token, timeout_s=1.0) as cl:
+                took = time.monotonic() - t0
+                assert cl.put_one("k", b"v") is Status.OK and cl.get_one("k") == b"v"
+                assert cl._watcher is not None
+                assert poll(lambda: cl._watcher.address not in (None, quiet), 5)  # the watch moved on
+            assert took < 0.8, f"a bootstrap took {took:.2f}s behind a silent master"
+
+
 def test_a_client_no_master_answers_fails_fast_and_says_why():
     ports = []
     for _ in range(3):  # ports nothing listens on

@@ -101,15 +101,11 @@ class Client:
             # one round trip: the watch stream's first message is the whole membership
             masters = MasterClient(nodes, cfg.token, timeout_s=cfg.connect_timeout_s * 2,
                                    channel_options=CLIENT_CHANNEL_OPTIONS)
-            self._watcher = MembershipWatcher(masters, self.update_membership).start()
-            if not self._watcher.wait_first(self._watcher.attempt_timeout_s * len(masters.addresses) + 1.0):
-                err = self._watcher.error
-                self._watcher.stop()
-                self._watcher = None
+            try:
+                self._watcher = MembershipWatcher.attach(masters, self.update_membership, nodes)
+            except GCacheError:
                 self._pool.close()
-                if isinstance(err, GCacheError):
-                    raise err
-                raise ConfigError(f"no master at {nodes} answered")
+                raise
         else:
             membership = nodes if isinstance(nodes, Membership) else Membership.from_addresses(
                 [nodes] if isinstance(nodes, str) else nodes)
@@ -162,9 +158,11 @@ class Client:
         current: RoutingView | None = getattr(self, "_view", None)
         if current is not None and membership.epoch < current.epoch:
             return
-        view = RoutingView.build(membership, allow_empty=current is not None)
-        with self._lock:
-            self._view = view
+        view = RoutingView.build(membership, allow_empty=current is not None)  # the ring: outside the lock
+        with self._lock:  # the watch and a refresh (or the bootstrap) may swap at once: never back
+            current = getattr(self, "_view", None)
+            if current is None or membership.epoch >= current.epoch:
+                self._view = view
 
     def refresh_membership(self, deadline: float | None = None) -> bool:
         """Ask the masters for the membership now (by ``deadline``, time.monotonic(), when

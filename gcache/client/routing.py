@@ -28,6 +28,8 @@ REATTACH_SPREAD_S = 1.0
 # Once attached, the connection to the master tried next is opened this many seconds later
 # (uniform), and kept open for the re-attach (MembershipWatcher._attempt).
 STANDBY_AFTER_S = (2.0, 10.0)
+# A client being made waits this long for its watch's first master, then asks every master at once.
+FIRST_ANSWER_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,28 @@ class MembershipWatcher:
         self._call: Any = None
         self._standby_timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="gcache-watch", daemon=True)
+
+    @classmethod
+    def attach(cls, masters: MasterClient, on_update: Callable[[Membership], None], where: str) -> MembershipWatcher:
+        """A started watch, once ``on_update`` has had a membership to route by (raises the
+        reason when none came: a refused token, no master answering). A silent first master
+        costs ``FIRST_ANSWER_S``, not its whole attempt: then every master is asked at once and
+        the first answer makes the client usable while the watch goes on to the next master."""
+        watcher = cls(masters, on_update).start()
+        usable = watcher.wait_first(FIRST_ANSWER_S)
+        if not usable and watcher.error is None:
+            m = masters.first_answer("GetMembership", {}, watcher.attempt_timeout_s,
+                                     accept=lambda m: bool(Membership.from_master(m).owners()))
+            if m is not None:
+                on_update(Membership.from_master(m))
+                usable = True
+        if not usable and not watcher.wait_first(watcher.attempt_timeout_s * len(masters.addresses) + 1.0):
+            err = watcher.error
+            watcher.stop()
+            if isinstance(err, GCacheError):
+                raise err
+            raise ConfigError(f"no master at {where} answered")
+        return watcher
 
     def start(self) -> MembershipWatcher:
         self._thread.start()

@@ -6,6 +6,7 @@ the Heartbeat RPC instead, so a network that drops UDP costs latency, not member
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -141,6 +142,36 @@ class MasterClient:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise AuthFailed(f"a master refused the cluster token: {exc.details()}") from None
         return out
+
+    def first_answer(self, name: str, request: dict[str, Any], timeout_s: float,
+                     accept: Callable[[dict[str, Any]], bool] = lambda _: True) -> dict[str, Any] | None:
+        """Call every master at once; the first acceptable answer, or None when none came within
+        ``timeout_s`` (a silent master costs nothing when another answers)."""
+        done: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+        def finished(fut: Any) -> None:
+            try:
+                out = fut.result()
+                done.put(out if accept(out) else None)
+            except (grpc.RpcError, grpc.FutureCancelledError, KeyError, TypeError, ValueError):
+                done.put(None)
+
+        futs = [self._method(a, name).future(request, timeout=timeout_s, metadata=self._md()) for a in self.addresses]
+        for f in futs:
+            f.add_done_callback(finished)
+        deadline = time.monotonic() + timeout_s
+        try:
+            for _ in futs:
+                try:
+                    out = done.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    return None
+                if out is not None:
+                    return out
+            return None
+        finally:
+            for f in futs:
+                f.cancel()
 
     def watch(self, address: str, known: int = -1) -> Any:
         """Memberships streamed by one master: an iterator of dicts that raises grpc.RpcError
