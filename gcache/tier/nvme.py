@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 import resource
@@ -47,6 +48,7 @@ import xxhash
 
 from gcache.errors import ConfigError
 from gcache.tier import records as R
+from gcache.tier import segdir
 from gcache.tier.valuemeta import NO_META, ValueMeta
 
 log = logging.getLogger(__name__)
@@ -101,11 +103,6 @@ class NvmeTier:
             segment_bytes = max(budget // 4, 4096)
         if budget < 4096:
             raise ConfigError(f"disk budget {budget} is too small; give at least 4 KiB (e.g. --disk-size 1GiB)")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            self.salt = _load_salt(directory)
-        except OSError as exc:
-            raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
         self.directory = directory
         self.budget = budget
         self.segment_bytes = segment_bytes
@@ -122,12 +119,24 @@ class NvmeTier:
         self._last_seg_id = 0  # never reused: a reclaimed segment's file may not be removed yet
         self._last_error_log = 0.0
         self._errors_unlogged = 0
-        self._discard_if_unclean()
-        # (ring generation, incarnation): what this node last routed by, and as which of its
-        # incarnations, with these segments (the agent's record; None: none)
-        self.recovered_routing = _read_routing(directory)
-        self._recover()
-        _write_state(directory, clean=False)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._lock_fd = segdir.lock(directory)  # before anything in it is read or changed
+            self.salt = _load_salt(directory)
+        except OSError as exc:
+            if hasattr(self, "_lock_fd"):
+                os.close(self._lock_fd)
+            raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
+        try:
+            self._discard_if_unclean()
+            # (ring generation, incarnation): what this node last routed by, and as which of its
+            # incarnations, with these segments (the agent's record; None: none)
+            self.recovered_routing = _read_routing(directory)
+            self._recover()
+            _write_state(directory, clean=False)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     def __len__(self) -> int:
         return len(self.index)
@@ -327,16 +336,20 @@ class NvmeTier:
                 gone = True
             except OSError as exc:
                 self._log_error("cannot truncate %s: %s", seg.path, exc)
-        if not gone and written != 0:
+        if not gone:
             # Its header may be on disk and verify (the value's unwritten tail reads as zeros): a
             # restart would index a record that was never acknowledged, and that no tombstone
-            # hides (a delete of its key found nothing indexed). fd is open: we hold a reference.
+            # hides (a delete of its key found nothing indexed). A dead header over the whole
+            # reservation also keeps a restart from taking the hole for damage (which costs every
+            # older value). fd is open: we hold a reference.
             try:
-                os.pwrite(seg.fd, R.DEAD_MAGIC, p.off)
+                os.pwrite(seg.fd, R.dead_header(p.total, self.salt), p.off)
             except OSError as exc:
                 self._log_error("cannot invalidate a failed record in %s: %s", seg.path, exc)
         if seg.doomed:
             return
+        if gone and seg.sealed:
+            self._save_map()  # its recorded size shrank with it
         if too_big and seg.size > 0:
             seg.sealed = True
         elif full:
@@ -381,31 +394,58 @@ class NvmeTier:
 
     # -- segments -------------------------------------------------------------------------
     def _new_segment(self) -> Segment | None:
-        seg_id = self._last_seg_id = self._last_seg_id + 1
-        path = os.path.join(self.directory, f"seg-{seg_id:08d}.log")
+        """Lock held: open the next segment (and record it and the one sealed before it in the
+        map; if that fails the tier goes on: only a later removal of these files goes unnoticed)."""
+        seg_id = self._last_seg_id + 1
+        path = self._seg_path(seg_id)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             self.write_errors += 1
             self._log_error("cannot create segment %s: %s", path, exc)
             return None
+        self._last_seg_id = seg_id
         seg = Segment(seg_id, path, fd)
         self.segments.append(seg)
+        self._save_map()
         return seg
+
+    def _seg_path(self, seg_id: int) -> str:
+        return os.path.join(self.directory, f"seg-{seg_id:08d}.log")
+
+    def _segmap(self) -> segdir.SegMap:
+        """Lock held: the map of the live segments (contiguous ids: reclaimed oldest first)."""
+        floor = self.segments[0].seg_id if self.segments else self._last_seg_id + 1
+        return segdir.SegMap(floor, self._last_seg_id, {s.seg_id: s.size for s in self.segments if s.sealed})
+
+    def _save_map(self, durable: bool = False) -> bool:
+        """Lock held: record the segment map (see gcache.tier.segdir: a clean stop makes it
+        durable); False (logged) if it cannot be written."""
+        try:
+            segdir.save_map(self.directory, self._segmap(), durable)
+        except OSError as exc:
+            self._log_error("nvme: cannot record the segment map in %s: %s", self.directory, exc)
+            return False
+        return True
 
     def drop_all(self) -> int:
         """Forget every record and remove every segment file; returns the keys forgotten. A
         write in flight into a removed segment is not indexed (the segment is doomed)."""
         with self._lock:
             n = len(self.index)
-            for seg in list(self.segments):
-                self._reclaim(seg)
+            segs = list(self.segments)
+            for seg in segs:
+                self._reclaim(seg, save=False)
+            if segs:
+                self._floor_raised(segs)
             return n
 
-    def _reclaim(self, seg: Segment) -> None:
+    def _reclaim(self, seg: Segment, save: bool = True) -> None:
         """Lock held: forget a segment. Its file is removed by sweep(), outside every lock
-        (freeing a large file's blocks takes a while); a crash before that brings back only
-        records that are older than everything that could hide them."""
+        (freeing a large file's blocks takes a while). The map's floor is raised first (unless
+        ``save`` is False: the caller does it before it lets go of the lock), so a restart
+        ignores the file even if it is still there: a delete of one of its keys from now on
+        finds nothing indexed and writes no tombstone."""
         for key in list(seg.keys):
             self._unindex(key)
         self.segments.remove(seg)
@@ -414,8 +454,22 @@ class NvmeTier:
         self._unlink_later.append(seg)
         self._doomed_bytes += seg.size
         seg.doomed = True
+        if save:
+            self._floor_raised([seg])
         if seg.refs == 0:
             self._close(seg)
+
+    def _floor_raised(self, segs: list[Segment]) -> None:
+        """Lock held: record that ``segs`` are reclaimed. If the map cannot be written, empty
+        their files now: a restart then finds sealed segments shorter than recorded (damage),
+        and forgets every value up to them, as it must."""
+        if self._save_map():
+            return
+        for seg in segs:
+            try:
+                os.truncate(seg.path, 0)
+            except OSError as exc:
+                self._log_error("nvme: cannot empty the reclaimed segment %s: %s", seg.path, exc)
 
     def sweep(self) -> None:
         """Remove the files of reclaimed segments (call without holding the store's lock)."""
@@ -452,54 +506,101 @@ class NvmeTier:
 
     # -- restart recovery -----------------------------------------------------------------
     def _recover(self) -> None:
-        names = sorted(n for n in os.listdir(self.directory) if SEG_RE.match(n))
-        self._last_seg_id = max((int(SEG_RE.match(n).group(1)) for n in names), default=0)  # type: ignore[union-attr]
+        """Rebuild the index from the segment files. Where a segment is damaged (a record that
+        does not verify before its end, a sealed one shorter or longer than recorded, a missing
+        file), a tombstone may have been lost there: every value written before the damage is
+        dropped (its segment and older ones are reclaimed). Only a torn tail of the newest,
+        unsealed segment is a normal crash (an append that never completed): it is cut off."""
+        d = self.directory
+        ids = sorted(int(m.group(1)) for n in os.listdir(d) if (m := SEG_RE.match(n)))
+        smap = segdir.load_map(d)
+        floor = smap.floor if smap is not None else 1
+        self._last_seg_id = max(ids[-1] if ids else 0, smap.newest if smap is not None else 0)
+        for seg_id in (i for i in ids if i < floor):  # reclaimed, its removal did not happen
+            log.info("nvme: removing %s, a segment reclaimed before the restart", self._seg_path(seg_id))
+            os.unlink(self._seg_path(seg_id))
+        ids = [i for i in ids if i >= floor]
+        cut: tuple[int, float] = (0, 0)  # values before this (segment id, offset) are not trusted
+        if smap is None and ids:
+            log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
+                        d, segdir.MAP_FILE)
+            cut = (ids[-1], math.inf)
+        missing = sorted(set(range(floor, smap.newest + 1)) - set(ids)) if smap is not None else []
+        if missing:
+            log.warning("nvme: segments %s of %s are missing", missing, d)
+            cut = max(cut, (missing[-1], math.inf))
+        scanned = []
+        for seg_id in ids:
+            seg, found, damage = self._scan_segment(seg_id, smap, top=seg_id == ids[-1])
+            scanned.append((seg, found))
+            cut = max(cut, damage)
+        for seg in [s for s in self.segments if (s.seg_id, math.inf) <= cut]:
+            self._reclaim(seg, save=False)
+        self._index_recovered(scanned, cut)
+        while self.used > self.budget and len(self.segments) > 0:
+            self._reclaim(self.segments[0], save=False)
+        segdir.save_map(d, self._segmap())  # recovered segments are sealed: their sizes are known now
+        self.sweep()
+        if ids:
+            log.info("nvme: recovered %d keys from %d segments (%d bytes)%s", len(self.index), len(ids),
+                     self.used, f"; every value written before segment {cut[0]}"
+                     f"{'' if cut[1] == math.inf else f' offset {int(cut[1])}'} is dropped (damage)" if cut[0] else "")
+
+    def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool) -> tuple[Segment, R.ScanResult,
+                                                                                         tuple[int, float]]:
+        """Open and scan one segment at start: the segment (sealed, in self.segments), what the
+        scan found, and where damage in it ends ((0, 0): none)."""
+        path = self._seg_path(seg_id)
+        fd = os.open(path, os.O_RDWR)
+        seg = Segment(seg_id, path, fd, sealed=True)
+        self.segments.append(seg)
+        file_size = os.fstat(fd).st_size
+        found = R.scan(fd, file_size, self.salt)
+        recorded = smap.sizes.get(seg_id) if smap is not None else None
+        damage: tuple[int, float] = (0, 0)
+        if found.damaged_to:
+            log.warning("nvme: %s: %d damaged bytes resynchronised past, up to offset %d", path, found.skipped,
+                        found.damaged_to)
+            damage = (seg_id, found.damaged_to)
+        if recorded is not None and recorded != file_size:
+            log.warning("nvme: %s is %d bytes; it was sealed at %d", path, file_size, recorded)
+            damage = (seg_id, math.inf)
+        elif found.end < file_size:
+            if top and recorded is None:  # the normal crash: an append never completed
+                log.warning("nvme: %s: %d torn bytes at the end (truncated)", path, file_size - found.end)
+                os.ftruncate(fd, found.end)
+            else:
+                log.warning("nvme: %s: %d bytes that do not verify at the end of a sealed segment", path,
+                            file_size - found.end)
+                damage = (seg_id, math.inf)
+        seg.size = seg.used = found.end
+        self.used += seg.used
+        return seg, found, damage
+
+    def _index_recovered(self, scanned: list[tuple[Segment, R.ScanResult]], cut: tuple[int, float]) -> None:
+        """Index, for each key, its newest value record at or after ``cut`` that no tombstone hides
+        (a tombstone anywhere hides the values of its key with a lower seq). A value dropped for
+        being before the cut hides its key's older values too: they are no more current than it."""
         now = time.time()
         best: dict[Key, tuple[R.Rec, Segment]] = {}  # newest value record per key
-        floor: dict[Key, int] = {}  # newest tombstone per key: values below it are dead
-        damaged = 0
-        for name in names:
-            path = os.path.join(self.directory, name)
-            seg_id = int(SEG_RE.match(name).group(1))  # type: ignore[union-attr]
-            fd = os.open(path, os.O_RDWR)
-            seg = Segment(seg_id, path, fd, sealed=True)
-            self.segments.append(seg)
-            file_size = os.fstat(fd).st_size
-            found = R.scan(fd, file_size, self.salt)
-            if found.end == 0:  # nothing verifiable (empty, or written by another tier): drop it
-                if file_size:
-                    log.warning("nvme: %s holds no valid record (%d bytes); removed", path, file_size)
-                self.segments.pop()
-                os.close(fd)
-                os.unlink(path)
-                continue
+        hidden: dict[Key, int] = {}  # newest tombstone per key: values below it are dead
+        for seg, found in scanned:
             for rec in found.records:
                 self.max_seq = max(self.max_seq, rec.seq)
                 if rec.kind == R.KIND_TOMBSTONE:
-                    floor[rec.key] = max(floor.get(rec.key, 0), rec.seq)
+                    hidden[rec.key] = max(hidden.get(rec.key, 0), rec.seq)
+                elif (seg.seg_id, rec.off) < cut or seg.doomed:
+                    hidden[rec.key] = max(hidden.get(rec.key, 0), rec.seq + 1)
                 else:
                     cur = best.get(rec.key)
                     if cur is None or rec.seq >= cur[0].seq:
                         best[rec.key] = (rec, seg)
-            if found.skipped or found.end < file_size:
-                damaged += 1
-                log.warning("nvme: %s: skipped %d damaged bytes between records, %d torn or garbage bytes at "
-                            "the end (truncated)", path, found.skipped, file_size - found.end)
-                os.ftruncate(fd, found.end)
-            seg.size = seg.used = found.end
-            self.used += seg.used
         for key, (rec, seg) in sorted(best.items(), key=lambda kv: kv[1][0].seq):  # index order: oldest first
-            if rec.seq < floor.get(key, 0) or (rec.expires and rec.expires <= now):
+            if rec.seq < hidden.get(key, 0) or (rec.expires and rec.expires <= now):
                 continue
             self.index[key] = Location(seg, rec.off, rec.value_off, rec.value_len, rec.checksum, rec.expires,
                                        rec.seq, rec.meta)
             seg.keys.add(key)
-        while self.used > self.budget and len(self.segments) > 0:
-            self._reclaim(self.segments[0])
-        self.sweep()
-        if names:
-            log.info("nvme: recovered %d keys from %d segments (%d bytes, %d damaged segments)", len(self.index),
-                     len(names), self.used, damaged)
 
     def save_routing(self, gen: int, inc: int) -> None:
         """Record the ring generation this node now routes by and the incarnation it runs as
@@ -514,6 +615,8 @@ class NvmeTier:
 
     def close(self) -> None:
         """Stop; a clean stop makes the segments durable (fsync), so a reboot may keep them."""
+        if self._lock_fd < 0:
+            return  # closed already
         self.sweep()
         with self._lock:
             synced = True
@@ -523,6 +626,8 @@ class NvmeTier:
                 except OSError as exc:
                     synced = False
                     log.error("nvme: cannot sync %s: %s", seg.path, exc)
+            synced = self._save_map(durable=True) and synced  # the sealed sizes as they are now
+            for seg in self.segments:
                 seg.doomed = True
                 if seg.refs == 0:
                     os.close(seg.fd)
@@ -532,6 +637,8 @@ class NvmeTier:
                 _write_state(self.directory, clean=True)
             except OSError as exc:
                 log.error("nvme: cannot record the clean stop in %s: %s", self.directory, exc)
+        os.close(self._lock_fd)  # another daemon may use the directory now
+        self._lock_fd = -1
 
     def _discard_if_unclean(self) -> None:
         """Segments are written through the page cache, unsynced: a process crash keeps every
@@ -544,6 +651,10 @@ class NvmeTier:
         names = [n for n in os.listdir(self.directory) if SEG_RE.match(n)]
         log.warning("nvme: the machine restarted since this tier was last used and it was not stopped cleanly; "
                     "recent writes (deletes among them) may be lost, so its %d segments are discarded", len(names))
+        smap = segdir.load_map(self.directory)
+        newest = max([int(SEG_RE.match(n).group(1)) for n in names]  # type: ignore[union-attr]
+                     + [smap.newest if smap is not None else 0])
+        segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest))  # every one reclaimed, then removed
         for n in names:
             os.unlink(os.path.join(self.directory, n))
 
@@ -588,18 +699,7 @@ def _read_state(directory: str) -> dict[str, Any] | None:
 
 def _write_state(directory: str, clean: bool) -> None:
     """Record this boot and whether the tier was stopped cleanly, durably (fsync'd)."""
-    path = os.path.join(directory, STATE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{_boot_id()} {'clean' if clean else 'running'}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    segdir.write_atomically(directory, STATE_FILE, f"{_boot_id()} {'clean' if clean else 'running'}\n")
 
 
 def _load_salt(directory: str) -> int:

@@ -21,7 +21,11 @@ Record layout (little endian)::
 
 Records are self-delimiting, so a scan walks from header to header. A header that fails its
 checks (bit rot, a torn write, a hole left by a write that never happened) does not end the
-scan: it searches forward for the next magic whose header verifies and continues from there.
+scan: it searches forward for the next magic whose header verifies and continues from there,
+and reports where that damage ended (``ScanResult.damaged_to``): a tombstone may have been in
+it, so the caller must not trust any older value (gcache.tier.nvme drops them). A record the
+tier invalidated on purpose (its magic overwritten with DEAD_MAGIC, the rest of its header
+intact: see dead_header()) is skipped as a whole and is not damage.
 """
 
 from __future__ import annotations
@@ -79,23 +83,36 @@ class Rec:
         return self.value_off + self.value_len
 
 
-def _parse(fd: int, off: int, size: int, salt: int, hdr: bytearray) -> Rec | None:
-    """The record starting at ``off``, or None if there is none that verifies."""
+def dead_header(total: int, salt: int) -> bytes:
+    """A header, already invalidated (DEAD_MAGIC), that spans ``total`` bytes (at least FIXED):
+    written over a reservation whose write failed, a scan skips the whole of it as one dead
+    record instead of resynchronising through it (which it would have to report as damage)."""
+    header, hchk, *_ = pack(KIND_VALUE, ("", b""), 0, total - FIXED, salt=salt)
+    return DEAD_MAGIC + header[len(DEAD_MAGIC):] + hchk
+
+
+def _parse(fd: int, off: int, size: int, salt: int, hdr: bytearray) -> Rec | int | None:
+    """The record starting at ``off``; the end of a dead (invalidated) record there; or None
+    if there is none that verifies."""
     if off + FIXED > size or os.preadv(fd, [hdr], off) != FIXED:
         return None
     magic, ver, kind, ns_len, key_len, meta_len, vlen, seq, expires, checksum = REC.unpack_from(hdr)
-    if magic != REC_MAGIC or ver != REC_VERSION or kind not in (KIND_VALUE, KIND_TOMBSTONE):
+    if magic not in (REC_MAGIC, DEAD_MAGIC) or ver != REC_VERSION or kind not in (KIND_VALUE, KIND_TOMBSTONE):
         return None
     names_len = ns_len + key_len + meta_len
     names = os.pread(fd, names_len, off + FIXED)
     if len(names) != names_len:
         return None
     (hchk,) = HCHK.unpack_from(hdr, REC.size)
-    if xxhash.xxh3_64_intdigest(bytes(hdr[: REC.size]) + names, seed=salt) != hchk:
+    if xxhash.xxh3_64_intdigest(REC_MAGIC + bytes(hdr[len(REC_MAGIC): REC.size]) + names, seed=salt) != hchk:
         return None
     value_off = off + FIXED + names_len
-    if value_off + vlen > size or (kind == KIND_TOMBSTONE and vlen):
+    if value_off + vlen > size:
         return None  # a torn tail: the value never fully reached the file
+    if magic == DEAD_MAGIC:
+        return int(value_off + vlen)
+    if kind == KIND_TOMBSTONE and vlen:
+        return None
     try:
         key = (names[:ns_len].decode(), names[ns_len:ns_len + key_len])
         meta = ValueMeta.decode(names[ns_len + key_len:])
@@ -123,20 +140,26 @@ def _next_magic(fd: int, start: int, size: int) -> int | None:
 @dataclass
 class ScanResult:
     records: list[Rec]
-    end: int  # end of the last good record: what follows is torn or garbage
+    end: int  # end of the last good (or dead) record: what follows is torn or garbage
     skipped: int  # bytes skipped between good records (damage resynchronised past)
+    damaged_to: int  # where the last damage resynchronised past ends (0: none); a tail is not counted
+    dead: int  # records invalidated on purpose, skipped whole
 
 
 def scan(fd: int, size: int, salt: int) -> ScanResult:
     """Every verifiable record of a segment file of ``size`` bytes, in file order."""
     out: list[Rec] = []
     hdr = bytearray(FIXED)
-    off = end = skipped = 0
+    off = end = skipped = damaged_to = dead = 0
     while off + FIXED <= size:
         rec = _parse(fd, off, size, salt, hdr)
-        if rec is not None:
+        if isinstance(rec, Rec):
             out.append(rec)
             off = end = rec.end
+            continue
+        if rec is not None:
+            dead += 1
+            off = end = rec
             continue
         nxt = _next_magic(fd, off + 1, size)
         while nxt is not None and _parse(fd, nxt, size, salt, hdr) is None:
@@ -144,5 +167,5 @@ def scan(fd: int, size: int, salt: int) -> ScanResult:
         if nxt is None:
             break
         skipped += nxt - off
-        off = nxt
-    return ScanResult(out, end, skipped)
+        off = damaged_to = nxt
+    return ScanResult(out, end, skipped, damaged_to, dead)

@@ -126,12 +126,18 @@ def _entry_meta(entry: RamEntry, meta: ValueMeta, expires: float) -> RamEntry:
 class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self.arena = Arena(config.mem_bytes, pretouch=config.pretouch)
-        self.ram = RamTier(self.arena, config.recency_bucket_s, config.eviction)
-        self.budgets = PoolBudgets(config.pool_budgets, config.mem_bytes)
+        # The disk first: a directory another daemon holds is refused before the arena is faulted in.
         self.nvme = (
             NvmeTier(config.disk_dir, config.disk_bytes, config.segment_bytes) if config.disk_dir else None
         )
+        try:
+            self.arena = Arena(config.mem_bytes, pretouch=config.pretouch)
+        except BaseException:
+            if self.nvme is not None:
+                self.nvme.close()
+            raise
+        self.ram = RamTier(self.arena, config.recency_bucket_s, config.eviction)
+        self.budgets = PoolBudgets(config.pool_budgets, config.mem_bytes)
         self._lock = threading.Condition(threading.Lock())
         self._seq = itertools.count(1)  # without a disk; with one, the NVMe tier hands them out
         self._demoting: dict[Key, RamEntry] = {}  # queued or being written, not superseded

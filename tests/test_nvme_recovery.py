@@ -1,0 +1,218 @@
+"""The NVMe tier across a restart never brings back a value that an acknowledged delete or
+overwrite hid: not when the segment holding the tombstone is damaged (bytes flipped mid-segment,
+the file truncated or removed), not when a segment was reclaimed but its file not yet removed,
+and not when a second daemon opens the same directory (it is refused)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import gcache.tier.nvme as nvme_mod
+from gcache.cluster import free_port
+from gcache.tier import records as R
+from gcache.tier.nvme import NvmeTier
+from tests.conftest import poll
+
+KB = 1024
+MB = 1024 * KB
+K = ("ns", b"the-key")
+V1, V2 = b"v1" * 500, b"v2" * 500
+SEG = 64 * KB
+
+
+def readable(t, k):
+    """The bytes the tier serves for ``k`` (None: a miss)."""
+    loc = t.lookup(k)
+    if loc is None:
+        return None
+    buf = memoryview(bytearray(loc.size))
+    return bytes(buf) if t.read(k, loc, buf) else None
+
+
+def filler(tag, i):
+    return ("ns", b"%s-%03d" % (tag, i))
+
+
+def fill_until_new_segment(t, tag):
+    """Append 20 KiB fillers until a new segment is opened; the keys written."""
+    first = t.segments[-1]
+    keys = []
+    while t.segments[-1] is first:
+        keys.append(filler(tag, len(keys)))
+        assert t.append(keys[-1], memoryview(b"f" * 20 * KB), 0.0)
+    return keys
+
+
+def deleted_in_a_middle_segment(d, overwrite):
+    """K=V1 in segment 1; its tombstone (a delete, or an overwrite with V2) at the start of
+    segment 2, with more records after it there; two more segments after that. Returns the
+    closed tier's tombstone segment path and the tombstone's offset, and the newest fillers."""
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    fill_until_new_segment(t, b"a")
+    tomb_seg = t.segments[-1]
+    tomb_off = tomb_seg.size
+    seq = t.next_seq()
+    assert t.remove(K, seq)
+    assert t.segments[-1] is tomb_seg
+    if overwrite:
+        assert t.append(K, memoryview(V2), 0.0, seq=seq)  # as the store does: the tombstone carries its seq
+    fill_until_new_segment(t, b"b")
+    newest = fill_until_new_segment(t, b"c")[-1:]
+    assert readable(t, K) == (V2 if overwrite else None)
+    t.close()
+    return tomb_seg.path, tomb_off, newest
+
+
+def flip(path, off, n=16):
+    with open(path, "r+b") as f:
+        f.seek(off)
+        data = f.read(n)
+        f.seek(off)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+DAMAGE = {
+    "bytes-flipped": lambda path, off: flip(path, off + 8),  # inside the tombstone's header
+    "truncated-mid-record": lambda path, off: os.truncate(path, off + 10),
+    "truncated-at-the-record": lambda path, off: os.truncate(path, off),
+    "truncated-to-zero": lambda path, off: os.truncate(path, 0),
+    "removed": lambda path, off: os.unlink(path),
+}
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["delete", "overwrite"])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_tombstone_segment_never_brings_back_the_older_value(tmp_path, damage, overwrite):
+    d = str(tmp_path / "disk")
+    path, off, newest = deleted_in_a_middle_segment(d, overwrite)
+    DAMAGE[damage](path, off)
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    got = readable(t, K)
+    assert got != V1, f"{damage}: the deleted/overwritten value came back"
+    assert got in ((None, V2) if overwrite else (None,))
+    for k in newest:  # what was written after the damage is kept: only older values are forgotten
+        assert readable(t, k) == b"f" * 20 * KB
+    t.close()
+
+
+def test_a_removed_newest_segment_never_brings_back_the_older_value(tmp_path):
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    fill_until_new_segment(t, b"a")
+    assert t.remove(K)
+    newest = t.segments[-1].path
+    t.close()
+    os.unlink(newest)
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) is None
+    t2.close()
+
+
+def test_a_torn_tail_of_the_newest_segment_keeps_everything_before_it(tmp_path):
+    """The crash case: a kill -9 mid-append leaves half a record at the end of the newest
+    segment; every record before it (in that segment and in older ones) is recovered."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    older = fill_until_new_segment(t, b"a")
+    assert t.append(("ns", b"last"), memoryview(b"L" * 100), 0.0)
+    path = t.segments[-1].path
+    t.close()
+    with open(path, "ab") as f:
+        f.write(R.REC_MAGIC + b"\x01" * 60)
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) == V1 and readable(t2, ("ns", b"last")) == b"L" * 100
+    assert all(readable(t2, k) == b"f" * 20 * KB for k in older)
+    assert t2.append(("ns", b"after"), memoryview(b"A" * 10), 0.0)
+    t2.close()
+    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)  # and the next restart finds nothing to complain of
+    assert readable(t3, K) == V1 and readable(t3, ("ns", b"after")) == b"A" * 10
+    t3.close()
+
+
+def test_segments_without_their_segment_map_are_not_trusted(tmp_path):
+    """Without the record of which segments exist a removed one cannot be noticed: nothing is
+    recovered (a tier from before the map existed starts empty once)."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    t.close()
+    names = [n for n in os.listdir(d) if n.startswith("tier.segs")]
+    assert names
+    for n in names:
+        os.unlink(os.path.join(d, n))
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) is None
+    assert t2.append(K, memoryview(V2), 0.0)
+    t2.close()
+    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t3, K) == V2
+    t3.close()
+
+
+# -- reclaim against a crash ----------------------------------------------------------------------
+def put_unswept(t, k, v):
+    """append() without its sweep(): the files of segments the reservation reclaimed stay."""
+    p = t.prepare(k, len(v), 0.0, t.next_seq())
+    assert p is not None and t.write(p, memoryview(v)) and t.publish(p)
+
+
+@pytest.mark.parametrize("how", ["killed-before-the-sweep", "unlink-failed"])
+def test_a_delete_after_reclaim_stays_deleted_though_the_file_outlives_it(tmp_path, monkeypatch, how):
+    """Segment 1 (K=V1) is reclaimed; its file is removed later, outside the lock. A delete of K
+    meanwhile finds nothing indexed and writes no tombstone; a crash before the file is gone (or
+    a removal that failed) must not let the next start (with a larger budget) find V1."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 4 * SEG, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    first = t.segments[0]
+    if how == "unlink-failed":
+        def refuse(path, *a, **kw):
+            raise PermissionError(1, "Operation not permitted", path)
+        monkeypatch.setattr(nvme_mod.os, "unlink", refuse)
+        write = lambda k, v: t.append(k, memoryview(v), 0.0)
+    else:
+        write = lambda k, v: put_unswept(t, k, v)
+    i = 0
+    while first in t.segments:
+        write(filler(b"x", i), b"f" * 20 * KB)
+        i += 1
+    monkeypatch.undo()
+    assert os.path.exists(first.path), "precondition: the reclaimed segment's file is still there"
+    assert t.remove(K) is False  # acknowledged: K is gone (nothing indexed, so no tombstone)
+    t2 = NvmeTier(d, 64 * MB, segment_bytes=SEG)  # a kill -9 (t is never closed), then a start
+    assert readable(t2, K) is None, "a value of a reclaimed segment came back"
+    assert readable(t2, filler(b"x", i - 1)) == b"f" * 20 * KB
+    assert not os.path.exists(first.path)  # a file below the floor is removed at start
+    t2.close()
+
+
+# -- two daemons on one directory -----------------------------------------------------------------
+def test_a_second_daemon_on_the_same_disk_directory_is_refused(make_cluster, tmp_path):
+    c = make_cluster(nodes=1, disk="16MiB")
+    disk = c.daemons[0].disk_dir
+    second = subprocess.Popen(
+        [sys.executable, "-m", "gcache", "daemon", "--listen", f"127.0.0.1:{free_port()}", "--mem", "16MiB",
+         "--no-pretouch", "--disk", disk, "--disk-size", "16MiB", "--ready-file", str(tmp_path / "ready2")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        exited = poll(lambda: second.poll() is not None, 30)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    _, err = second.communicate(timeout=30)
+    assert exited, "a second daemon started on a directory another daemon uses"
+    assert second.returncode == 2, (second.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and disk in lines[0] and "another gcache daemon" in lines[0], err
+    assert "Traceback" not in err
+    # the first daemon is unharmed; once it is gone (even killed) the directory can be used again
+    assert c.daemons[0].proc.poll() is None
+    c.kill(0, signal.SIGKILL)
+    c.restart(0)
+    assert c.daemons[0].proc.poll() is None
