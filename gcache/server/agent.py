@@ -694,6 +694,6 @@ class Agent:
         ring = self.routing[1]
         if membership is None or ring is None:
             return 0
-        moved = hand_over(self.store, membership, ring, self.node_id, self.put)
+        moved = hand_over(self.store, membership, ring, self.node_id, self.put, fenced=lambda: self.fenced)
         self.keys_handed_over += moved
         return moved

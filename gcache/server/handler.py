@@ -599,6 +599,9 @@ class Handler:
         err = P.namespace_error(ns)
         if err or not isinstance(ns, str):
             raise Refused(ErrorCode.BAD_META, err or "bad namespace")
+        if extra := sorted(map(str, set(meta) - {"ns"})):  # a caller meaning something narrower must not lose it all
+            raise Refused(ErrorCode.BAD_META, f"CLEAR takes only 'ns' (it deletes the whole namespace); "
+                                              f"unknown fields {extra}: nothing deleted")
         if self.agent is not None:
             self.agent.touchlog.touch_namespace(ns)
         guard = self.write_guard(None)  # a client that gave up: the rest is dropped, as a write's

@@ -23,6 +23,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from gcache.errors import GCacheError
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing, key_hashes
 from gcache.protocol import Status
@@ -37,10 +38,17 @@ PutFn = Callable[[Membership, str, "str | None", Sequence[bytes], Sequence[memor
                  list[Status]]
 
 
+class HandoverStopped(GCacheError):
+    """The node was fenced in the middle of a handover: the rest waits for the retry."""
+
+
 def hand_over(store: Store, membership: Membership, ring: HashRing, node_id: str, put: PutFn,
-              batch: int = BATCH) -> int:
+              batch: int = BATCH, fenced: Callable[[], bool] = lambda: False) -> int:
     """Push every key of ``store`` that ``ring`` says ``node_id`` no longer owns; returns how
-    many moved. A put error propagates (the caller retries the whole handover later)."""
+    many moved. A put error propagates (the caller retries the whole handover later). ``fenced``
+    is asked before each batch: a node stopped mid-handover and declared down meanwhile may hold
+    values a client has since deleted or cleared elsewhere, so it pushes nothing more once it
+    knows it is fenced (HandoverStopped)."""
     by_ns: dict[str, list[bytes]] = defaultdict(list)
     for ns, key in store.keys_hottest_first():
         if ring.owner(ns, key) != node_id:
@@ -48,6 +56,8 @@ def hand_over(store: Store, membership: Membership, ring: HashRing, node_id: str
     moved = 0
     for ns, keys in by_ns.items():
         for i in range(0, len(keys), batch):
+            if fenced():
+                raise HandoverStopped(f"fenced after {moved} keys were handed over: the rest waits for the masters")
             moved += push(store, membership, ns, keys[i:i + batch], put)
     return moved
 

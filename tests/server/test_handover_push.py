@@ -6,7 +6,7 @@ import pytest
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 from gcache.protocol import Status
-from gcache.server.handover import hand_over, held_unowned
+from gcache.server.handover import HandoverStopped, hand_over, held_unowned
 from gcache.tier.store import Store, StoreConfig
 from tests.conftest import read
 
@@ -55,6 +55,26 @@ def test_a_push_that_raises_keeps_its_copies_for_the_retry(store):
     with pytest.raises(RuntimeError):
         hand_over(store, Membership(epoch=2, nodes=()), ring, "n0", put)
     assert all(store.exists((NS, k)) for k in keys)
+
+
+def test_a_node_fenced_mid_handover_pushes_no_further_batch(store):
+    """The handover loop checked the fence once, before the whole handover: a previous owner
+    stopped mid-handover, declared down meanwhile (a clear skipped it), then resumed, pushed
+    its next batches of pre-clear values before it learned it was fenced."""
+    keys = fill(store)
+    ring = HashRing({"n0": 1.0, "n1": 1.0})
+    lost = [k for k in keys if ring.owner(NS, k) == "n1"]
+    assert len(lost) > 8
+    asked = []
+
+    def put(membership, ns, pool, ks, values, records):
+        asked.extend(ks)
+        return [Status.OK] * len(ks)
+
+    with pytest.raises(HandoverStopped, match="fenced after 8 keys"):
+        hand_over(store, Membership(epoch=2, nodes=()), ring, "n0", put, batch=8, fenced=lambda: len(asked) >= 8)
+    assert len(asked) == 8
+    assert sum(store.exists((NS, k)) for k in lost) == len(lost) - 8  # the rest kept for the retry
 
 
 def test_a_value_written_here_while_it_was_pushed_is_kept(store):
