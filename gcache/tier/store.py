@@ -432,7 +432,7 @@ class Store:
             self.nvme.sweep()
         return out
 
-    CLEAR_CHUNK = 4096  # keys deleted per hold of the lock by delete_namespace
+    CLEAR_CHUNK = 512  # keys deleted per hold of the lock by delete_namespace
 
     def delete_namespace(self, ns: str, guard: Guard | None = None, chunk: int = CLEAR_CHUNK) -> int:
         """delete_many() of every key of namespace ``ns`` stored now (RAM, pooled or not, queued
