@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from router.buckets import BucketMap
 from router.config import RouterConfig
@@ -44,6 +44,7 @@ class _Waiter:
     exclude: frozenset[str] = frozenset()
     l3_tokens: int = 0
     gone: asyncio.Future | None = None  # resolved when the client went away
+    handle: Any = None  # its queue entry (PendingQueue.push), to remove exactly this waiter
 
 
 class Admission:
@@ -96,7 +97,7 @@ class Admission:
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
         w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens,
                     gone() if gone is not None else None)
-        handle = q.push(w, p.uncached_tokens, w.since)
+        handle = w.handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
         await self.pump()
@@ -125,11 +126,14 @@ class Admission:
                     await self.release(w.fut.result()[0])  # granted just as we gave up
 
     async def release(self, lease: Lease) -> None:
+        await self._give_back(lease)
+        if self.depth():
+            await self.pump()
+
+    async def _give_back(self, lease: Lease) -> None:
         if lease.probe is not None:
             self.state.drop_probe(lease.worker, lease.probe)
         await self.state.release(lease)
-        if self.depth():
-            await self.pump()
 
     async def pump(self) -> None:
         """Hand free slots to waiting requests, best key first across every bucket's queue (the
@@ -149,10 +153,17 @@ class Admission:
                     q.pop()
                     continue
                 p, got = await self._try(w.req, w.exclude, w.l3_tokens)
+                # the state may have been remote (Redis): meanwhile this waiter may have left (its
+                # client gave up) and another may have become the head. Take out exactly this one;
+                # a slot taken for a waiter no longer there goes back at once
+                if w.fut.done() or not q.waiting(w.handle):
+                    if got is not None:
+                        await self._give_back(got[0])
+                    continue
                 if p.outcome is Outcome.FULL or (got is None and p.outcome is Outcome.ROUTED):
                     blocked.add(bucket)
                     continue
-                q.pop()
+                q.cancel(w.handle)
                 if got is None and p.outcome is Outcome.NO_MODEL:
                     w.fut.set_exception(Rejected(404, "model_not_found",
                                                  f"no worker serves model {w.req.model!r} any more"))

@@ -107,6 +107,11 @@ class PendingQueue(Generic[T]):
         self._live -= 1
         return True
 
+    @staticmethod
+    def waiting(handle: _Entry[T]) -> bool:
+        """The item of ``handle`` is still in the queue (not popped, cancelled or expired)."""
+        return handle.live
+
     def expire(self, now: float) -> list[T]:
         """Remove and return every item that has waited longer than max_wait_s."""
         out: list[T] = []
