@@ -44,13 +44,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost, MHATokenToKVPoolHost
 
 from gcache.client import Client
 from gcache.client.client import OnNodeError
 from gcache.errors import GCacheError
 from gcache.protocol import Status
 from gcache.ratelog import RateLimitedLog
-from sglang_adapter.config import AdapterConfig
+from sglang_adapter.config import AdapterConfig, write_deadlines
 from sglang_adapter.failures import report_owner_failure
 from sglang_adapter.keys import KeyScheme, model_name, page_format
 from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format, served_model
@@ -58,6 +60,8 @@ from sglang_adapter.window import PoolCheck, leading, window_safe
 
 log = logging.getLogger(__name__)
 KV = "kv"
+#: host pools whose bytes differ per TP rank even in an MLA model (heads or state split over the ranks)
+_RANK_SHARDED_POOLS = (MHATokenToKVPoolHost, MHATokenToKOnlyPoolHost, MambaPoolHost)
 
 
 def _name(pool: Any) -> str:
@@ -96,7 +100,7 @@ class GCacheStorage(HiCacheStorage):
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._page_gb: dict[str, float] = {}
-        self._formats: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, its page format)
+        self._formats: dict[str, tuple[Any, str, bool]] = {}  # pool name -> (host pool, page format, rank_sharded)
         self.identity = deployment_identity()  # what SGLang's arguments say about the bytes
 
     def __repr__(self) -> str:
@@ -127,23 +131,32 @@ class GCacheStorage(HiCacheStorage):
     def page_keys(self, page_hashes: list[str], name: str) -> list[bytes]:
         """gcache keys of pages of the registered host pool ``name``: shard and byte format
         included, so a pool of another layout, dtype or page size never reads these pages."""
-        return self.scheme.keys(list(page_hashes), name, self._format(name))
+        _, fmt, rank_sharded = self._layout(name)
+        return self.scheme.keys(list(page_hashes), name, fmt, rank_sharded)
 
     def _format(self, name: str) -> str:
-        """The page format of the registered host pool ``name`` (pages.pool_format), made once."""
+        """The page format of the registered host pool ``name`` (pages.pool_format)."""
+        return self._layout(name)[1]
+
+    def _layout(self, name: str) -> tuple[Any, str, bool]:
+        """The registered host pool ``name``, its page format (pages.pool_format) and whether its
+        pages are keyed per TP rank (KeyScheme.rank_sharded; in an MLA model also a side pool
+        that splits heads or state over the ranks, such as an MHA draft), made once."""
         pool = self._pool(name)
         cached = self._formats.get(name)
         if cached is None or cached[0] is not pool:
-            cached = self._formats[name] = (pool, pool_format(pool, self.identity))
-            shard = f"{self.scheme.shard(name)}#{cached[1]}"
+            sharded = self.scheme.rank_sharded(name) or isinstance(pool, _RANK_SHARDED_POOLS)
+            cached = self._formats[name] = (pool, pool_format(pool, self.identity), sharded)
+            shard = f"{self.scheme.shard(name, sharded)}#{cached[1]}"
             log.info("gcache storage: %s pages are keyed <page hash>.%s@%s%s", name, name, shard,
                      f" (the router's --l3-shard {shard})" if name == KV else "")
-        return cached[1]
+        return cached
 
     def l3_shard(self) -> str:
         """What the router's ``--l3-shard`` takes to find this engine's KV pages: the part of
         their keys after ``@`` (shard and page format; logged when first used)."""
-        return f"{self.scheme.shard(KV)}#{self._format(KV)}"
+        _, fmt, sharded = self._layout(KV)
+        return f"{self.scheme.shard(KV, sharded)}#{fmt}"
 
     def _tag(self, name: str) -> str:
         """The daemon pool a host pool's pages go to."""
@@ -245,7 +258,9 @@ class GCacheStorage(HiCacheStorage):
             n = len(keys)
             tail = [1] * n if trailing else None
             have = [False] * n
+            put_by = None  # the client's own timeout_s
             if self.config.skip_existing or trailing:
+                exists_by, put_by = write_deadlines(self.config.timeout_s)  # one timeout_s for both rounds
                 probe, marks = list(gkeys), list(tail or [])
                 if trailing and prefix:
                     # the window this one supersedes becomes interior (restore points stay ahead)
@@ -253,13 +268,14 @@ class GCacheStorage(HiCacheStorage):
                     old = [h for h in prefix[-n:] if h not in current]
                     probe += self.page_keys(old, name)
                     marks += [0] * len(old)
-                found = self.client.exists(probe, tail=marks if trailing else None)
+                found = self.client.exists(probe, tail=marks if trailing else None, deadline=exists_by)
                 have = found[:n] if self.config.skip_existing else have
             todo = [i for i in range(n) if not have[i]]
             ok = list(have)
             if todo:
                 st = self.client.put([gkeys[i] for i in todo], [views[i] for i in todo], pool=self._tag(name),
-                                     pos=[base + i for i in todo], tail=[1] * len(todo) if trailing else None)
+                                     pos=[base + i for i in todo], tail=[1] * len(todo) if trailing else None,
+                                     deadline=put_by)
                 for i, s in zip(todo, st):
                     ok[i] = s is Status.OK
             self._record("backup", name, pool, sum(ok[i] for i in todo), time.perf_counter() - t0)

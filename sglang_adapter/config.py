@@ -17,12 +17,19 @@ see gcache.env)::
     "config":           a gcache.toml whose [sglang] section gives defaults for these keys
                         (else $GCACHE_CONFIG, when set)
 
-Factory keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``) are ignored here.
+Keys SGLang itself reads from the same object are accepted and ignored here: the factory's
+(``backend_name``, ``module_path``, ``class_name``), ``interface_v1``, the prefetch settings
+(``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token``),
+``hicache_storage_pass_prefix_keys`` and ``tp_lcm_size``. Any other key is refused with an error
+naming the known ones (a misspelt "namespace" would otherwise share the default namespace).
+``timeout_s`` and ``connect_timeout_s`` are finite numbers of seconds > 0 (not true/false).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +37,30 @@ from typing import Any
 from gcache.client.config import LocalPath
 from gcache.env import resolve_cluster, resolve_token
 from gcache.errors import ConfigError
+
+#: the adapter's own keys
+KEYS = ("nodes", "masters", "token_file", "namespace", "timeout_s", "connect_timeout_s", "dual_pools",
+        "skip_existing", "local", "config")
+#: keys SGLang reads from the same extra_config (the dynamic backend factory, HiCacheController,
+#: HybridCacheController.parse_storage_backend_extra_config); accepted, not used here
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+               "tp_lcm_size")
+
+
+def finite_seconds(value: Any) -> bool:
+    """Whether ``value`` is a number of seconds a deadline can be made of: an int or a float (not
+    a bool), finite and > 0 (inf overflows every wait; NaN compares false with everything)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def write_deadlines(timeout_s: float) -> tuple[float, float]:
+    """time.monotonic() deadlines of a write that first asks which keys exist, then puts the rest:
+    (existence round, put round), both within one ``timeout_s`` from now. The existence round
+    gets the first half (it takes milliseconds unless an owner hangs), so a hung owner costs
+    the write at most ``timeout_s`` in all and the other owners' puts still have the rest."""
+    now = time.monotonic()
+    return now + timeout_s / 2, now + timeout_s
 
 
 @dataclass(frozen=True)
@@ -50,8 +81,10 @@ class AdapterConfig:
         if not self.nodes and not self.masters:
             raise ConfigError("gcache adapter: no cluster; set extra_config 'nodes' (HOST:PORT list or "
                               "gcache://masters) or $GCACHE_MASTERS / $GCACHE_NODES")
-        if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
-            raise ConfigError("gcache adapter: timeout_s and connect_timeout_s must be > 0")
+        for name in ("timeout_s", "connect_timeout_s"):
+            if not finite_seconds(getattr(self, name)):
+                raise ConfigError(f"gcache adapter: {name!r} must be a finite number of seconds > 0, "
+                                  f"got {getattr(self, name)!r}")
 
     def target(self) -> str | list[str]:
         """What the gcache Client is given: the master URL, else the node list."""
@@ -68,6 +101,10 @@ class AdapterConfig:
             from gcache.ops.config import load
 
             extra = {**load(path).get("sglang", {}), **extra}
+        unknown = sorted(k for k in extra if k not in KEYS and k not in SGLANG_KEYS)
+        if unknown:
+            raise ConfigError(f"gcache adapter: unknown extra_config key(s) {unknown}; the adapter's keys are "
+                              f"{list(KEYS)} (SGLang's own {list(SGLANG_KEYS)} are accepted too)")
         nodes = extra.get("nodes")
         if nodes is not None and not isinstance(nodes, str) and (
                 not isinstance(nodes, (list, tuple)) or not all(isinstance(n, str) for n in nodes)):
@@ -85,7 +122,7 @@ class AdapterConfig:
         for name, typ in (("namespace", str), ("timeout_s", (int, float)), ("connect_timeout_s", (int, float)),
                           ("dual_pools", bool), ("skip_existing", bool), ("token_file", str), ("local", str)):
             if name in extra:
-                if not isinstance(extra[name], typ):
+                if not isinstance(extra[name], typ) or (typ is not bool and isinstance(extra[name], bool)):
                     raise ConfigError(f"gcache adapter: {name!r} has the wrong type: {extra[name]!r}")
                 kwargs[name] = extra[name]
         if "local" in kwargs:

@@ -17,25 +17,35 @@ sets it)::
     "local":             "auto" | "off" | "force": the same-host shared-memory path (default "auto")
     "token_file":        cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)
 
-Keys are self-describing: ``{mm_hash}.emb.{modality}@{model}#{dtype}x{hidden}.v{FORMAT_VERSION}``.
-An embedding written by a deployment of another model, dtype or hidden size, or in an older
-format, has another key, so a reader gets a miss, never bytes it would misread.
+Keys are self-describing:
+``{mm_hash}.emb.{modality}@{model}#{dtype}x{hidden}.{identity}.v{FORMAT_VERSION}``, where
+``identity`` is a digest of what SGLang's server arguments say about the model's output
+(sglang_adapter.pages.model_identity: the checkpoint loaded, its revision, load format, dtype,
+quantization, config overrides, multimodal preprocessing...; the same arguments are part of
+the KV pages' identity). An embedding written by a deployment of another model, checkpoint,
+weights, dtype or hidden size, or in an older format, has another key, so a reader gets a
+miss, never bytes it would misread.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from gcache.client.client import LocalPath
 from gcache.env import resolve_token
 from gcache.errors import ConfigError
+from sglang_adapter.config import finite_seconds
 
-#: Bump when the meaning of a stored embedding's bytes changes: older ones become misses.
-FORMAT_VERSION = 1
+#: Bump when the meaning of a stored embedding's bytes or of its key changes: older ones become
+#: misses (2: the model identity joined the key; without the bump an embedding written under one
+#: served name by another checkpoint, or by random "dummy" weights, would still be read).
+FORMAT_VERSION = 2
 ENV_CONFIG = "GCACHE_EMB_CONFIG"
 _MAX_MODEL_BYTES = 512  # leaves room in gcache's 1 KiB keys for a 64-hex content hash and the format
 
@@ -53,14 +63,18 @@ class EmbeddingFormat:
         if not self.modality or not self.dtype or self.hidden <= 0:
             raise ConfigError(f"embedding format needs a modality, a dtype and a hidden size > 0: {self}")
 
-    @property
-    def tag(self) -> str:
-        return f"{self.dtype}x{self.hidden}.v{FORMAT_VERSION}"
 
 
-def embedding_keys(hashes: list[str], model: str, fmt: EmbeddingFormat) -> list[bytes]:
-    """gcache keys of the embeddings of ``hashes`` (content hashes) in format ``fmt``."""
-    suffix = f".emb.{fmt.modality}@{model}#{fmt.tag}"
+def identity_tag(identity: Sequence[str] = ()) -> str:
+    """A short digest of a deployment's model identity (``name=value`` strings,
+    sglang_adapter.pages.model_identity), the same for every writer and reader that agree."""
+    return xxhash.xxh3_64_hexdigest("|".join(identity).encode())
+
+
+def embedding_keys(hashes: list[str], model: str, fmt: EmbeddingFormat, identity: str = "") -> list[bytes]:
+    """gcache keys of the embeddings of ``hashes`` (content hashes) in format ``fmt``, written by
+    a deployment whose model identity has the digest ``identity`` (identity_tag; default: none)."""
+    suffix = f".emb.{fmt.modality}@{model}#{fmt.dtype}x{fmt.hidden}.{identity or identity_tag()}.v{FORMAT_VERSION}"
     return [(h + suffix).encode() for h in hashes]
 
 
@@ -84,8 +98,10 @@ class EmbeddingStoreConfig:
                               f"(${ENV_CONFIG}) or run inside SGLang, which publishes it")
         if len(self.model.encode()) > _MAX_MODEL_BYTES:
             raise ConfigError(f"gcache embedding store: model name longer than {_MAX_MODEL_BYTES} bytes")
-        if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
-            raise ConfigError("gcache embedding store: timeout_s and connect_timeout_s must be > 0")
+        for name in ("timeout_s", "connect_timeout_s"):
+            if not finite_seconds(getattr(self, name)):
+                raise ConfigError(f"gcache embedding store: {name!r} must be a finite number of seconds > 0, "
+                                  f"got {getattr(self, name)!r}")
         if not self.pool:
             raise ConfigError("gcache embedding store: 'pool' must not be empty")
 

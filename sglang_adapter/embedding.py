@@ -10,7 +10,9 @@ the ``EmbeddingCacheController``. Turn it on with ``python -m sglang_adapter.lau
   Encoders on the same host as the owning daemon copy through its shared-memory arena (no TCP).
 * Self-describing keys (emb_config.py): the controller registers its pools with
   ``register_buffer``; the pool a pointer falls in gives the modality, dtype and hidden size,
-  which go into the key with the model name and the format version. A pointer outside every
+  which go into the key with the model name, the model identity SGLang's server arguments give
+  (the checkpoint, revision, load format, dtype, quantization...: pages.model_identity, the part
+  of the KV pages' identity that decides the encoder's output) and the format version. A pointer outside every
   registered pool is refused (a miss), never guessed. A stored value whose size is not what the
   reader expects is a miss too.
 * Failure: every batch call answers per-embedding False on any error, never raises; the client
@@ -43,8 +45,10 @@ from gcache.client.client import OnNodeError
 from gcache.errors import GCacheError
 from gcache.protocol import Status
 from gcache.ratelog import RateLimitedLog
-from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys
+from sglang_adapter.config import write_deadlines
+from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys, identity_tag
 from sglang_adapter.failures import report_owner_failure
+from sglang_adapter.pages import model_identity, served_model
 
 log = logging.getLogger(__name__)
 _DEFAULT_MODALITIES = ("vision", "audio")  # the order EmbeddingCacheController registers its pools in
@@ -52,18 +56,6 @@ _DEFAULT_MODALITIES = ("vision", "audio")  # the order EmbeddingCacheController 
 
 def _view(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
-
-
-def _sglang_model() -> str:
-    """The served model name (else the model path) SGLang published in this process, or ""."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        args = get_server_args()
-        name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None)
-        return name if isinstance(name, str) else ""
-    except Exception:  # noqa: BLE001  (not inside a published SGLang process)
-        return ""
 
 
 def _pool_modality(tensor: Any) -> str | None:
@@ -112,7 +104,11 @@ class EmbeddingStoreMetrics:
 
 class GCacheEmbeddingStore(EmbeddingStore):
     def __init__(self, storage_config: Mapping[str, Any] | str | None = None, **_: Any) -> None:
-        self.config = EmbeddingStoreConfig.load(storage_config, default_model=_sglang_model())
+        self.config = EmbeddingStoreConfig.load(storage_config, default_model=served_model())
+        #: what SGLang's server arguments say about the encoder's output (pages.model_identity):
+        #: part of every key, so another checkpoint or weights served under the same name misses
+        self.identity = model_identity()
+        self._ident = identity_tag(self.identity)
         c = self.config
         self.client = Client(list(c.nodes), namespace=c.namespace, timeout_s=c.timeout_s, token=c.token(),
                              connect_timeout_s=c.connect_timeout_s, on_node_error=OnNodeError.MISS, local=c.local,
@@ -153,7 +149,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
         regions = self._regions
         if not regions:
             return super().get_key(mm_hash)
-        return embedding_keys([mm_hash], self.config.model, regions[0].fmt)[0].decode()
+        return embedding_keys([mm_hash], self.config.model, regions[0].fmt, self._ident)[0].decode()
 
     def _region_of(self, ptrs: Sequence[int], sizes: Sequence[int]) -> _Region | None:
         """The registered pool holding every run of one embedding, or None."""
@@ -191,7 +187,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
                 empty += 1
                 continue
             idx.append(i)
-            keys.append(embedding_keys([h], self.config.model, region.fmt)[0])
+            keys.append(embedding_keys([h], self.config.model, region.fmt, self._ident)[0])
             views.append([_view(int(a), int(b)) for a, b in zip(p, s)])
             nbytes.append(total)
             rows.append(region.row_bytes)
@@ -257,12 +253,18 @@ class GCacheEmbeddingStore(EmbeddingStore):
         t0 = time.perf_counter()
         try:
             idx, keys, views, nbytes, _rows = self._plan(hashes, ptrs, sizes)
-            have = self.client.exists(keys) if idx and self.config.skip_existing else [False] * len(idx)
+            put_by = None  # the client's own timeout_s
+            if idx and self.config.skip_existing:
+                exists_by, put_by = write_deadlines(self.config.timeout_s)  # one timeout_s for both rounds
+                have = self.client.exists(keys, deadline=exists_by)
+            else:
+                have = [False] * len(idx)
             todo = [j for j in range(len(idx)) if not have[j]]
             for j in range(len(idx)):
                 ok[idx[j]] = have[j]
             if todo:
-                st = self.client.put([keys[j] for j in todo], [views[j] for j in todo], pool=self.config.pool)
+                st = self.client.put([keys[j] for j in todo], [views[j] for j in todo], pool=self.config.pool,
+                                     deadline=put_by)
                 for j, s in zip(todo, st):
                     ok[idx[j]] = s is Status.OK
             stored = [j for j in todo if ok[idx[j]]]
@@ -285,7 +287,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
             fmts = list(dict.fromkeys(r.fmt for r in self._regions))
             if not n or not fmts:
                 return [False] * n
-            keys = [k for f in fmts for k in embedding_keys(list(hashes), self.config.model, f)]
+            keys = [k for f in fmts for k in embedding_keys(list(hashes), self.config.model, f, self._ident)]
             ex = self.client.exists(keys)
             out = [any(ex[j * n + i] for j in range(len(fmts))) for i in range(n)]
         except Exception:

@@ -6,7 +6,9 @@ page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{sha
 * The shard names the model (``%``, ``/`` and ``_`` percent-encoded: ``a/b-c`` and ``a-b/c`` stay
   two names, and the first ``_`` of a shard always ends the name, so a model called
   ``org/m_pp0of2`` is never taken for ``org/m`` at pipeline stage 0 of 2), the TP rank and size
-  (MLA models keep one copy shared by every rank, so their KV shard omits the rank), the
+  (MLA models keep one copy shared by every rank, so their KV and its replicated side pools
+  omit the rank; a Mamba pool, or an MHA draft pool, holds per-rank bytes and keeps it;
+  KeyScheme.rank_sharded), the
   pipeline stage, the context-parallel rank and the decode context-parallel rank (each holds
   other tokens of a page).
 * The format (``page_format``) is a digest of everything that decides how a page's bytes are
@@ -15,9 +17,9 @@ page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{sha
   buffer a page is made of, and ``extra``: what the host pool does not show (its layer range,
   a Mamba pool's SSM state dtype, and the deployment identity from SGLang's server arguments:
   the logical KV cache dtype, which for every fp8 variant is stored as uint8, the weights'
-  quantization and scales, the checkpoint loaded (model path and revision), config overrides
-  and a speculative draft's algorithm, checkpoint, revision, quantization and KV cache dtype;
-  sglang_adapter.pages). Two deployments that differ in any of these never share a key, so a
+  quantization and scales, the checkpoint loaded (model path, revision, load format: "dummy"
+  is random weights), config overrides and a speculative draft's algorithm, checkpoint,
+  revision, load format, quantization and KV cache dtype; sglang_adapter.pages.IDENTITY_ARGS). Two deployments that differ in any of these never share a key, so a
   reader gets a miss, never another layout's bytes.
 
 Together: no two writers of different bytes share a key.
@@ -33,8 +35,12 @@ import xxhash
 
 #: Bump when the meaning of a stored page's bytes or of its key changes: older pages then become
 #: misses (3: ``_`` escaped in the model name; without the bump an older page of a model named
-#: ``org/m_pp0of2`` would be read as one of ``org/m`` at pipeline stage 0 of 2).
-FORMAT_VERSION = 3
+#: ``org/m_pp0of2`` would be read as one of ``org/m`` at pipeline stage 0 of 2. 4: the load
+#: format, a restored ModelOpt checkpoint, KTransformers' CPU expert weights, a draft's load
+#: format and more (sglang_adapter.pages.IDENTITY_ARGS) joined the deployment identity; without
+#: the bump a page written with random "dummy" weights under the old identity would be read by
+#: a deployment loading the real ones).
+FORMAT_VERSION = 4
 
 
 def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int],
@@ -51,6 +57,11 @@ def model_name(name: str) -> str:
     names never meet; without ``_`` the name never runs into the shard's ``_tp``/``_pp``/...
     fields after it)."""
     return name.replace("%", "%25").replace("/", "%2F").replace("_", "%5F")
+
+
+#: pools whose pages each TP rank holds its own part of even in an MLA model (SGLang backs them
+#: up on every rank: HybridCacheController.should_backup)
+RANK_SHARDED_POOLS = frozenset({"mamba"})
 
 
 @dataclass(frozen=True)
@@ -77,11 +88,22 @@ class KeyScheme:
             dcp_rank=getattr(cfg, "dcp_rank", 0) or 0, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
         )
 
-    def shard(self, pool: str) -> str:
-        """Rank-shared for MLA KV; per TP rank otherwise (side pools are rank-sharded). Every field
-        starts with ``_``, which the model name (model_name) never contains."""
+    def rank_sharded(self, pool: str) -> bool:
+        """Whether each TP rank holds its own bytes of ``pool``'s pages, by the pool's name alone:
+        every pool of an MHA model; in an MLA model only a Mamba pool (its state is split over
+        the ranks). MLA KV and its side pools (DSA indexer, DeepSeek-V4's compressed pools, an
+        MLA draft) are replicated: every rank holds the same bytes, and SGLang backs them up on
+        the storage writer (TP rank 0) only, so they must be keyed without the rank for the other
+        ranks to find them. A side pool of an MLA model that is an MHA pool (an MHA draft: heads
+        split over the ranks) is rank-sharded too; the caller, who sees the pool, says so."""
+        return not self.is_mla or pool in RANK_SHARDED_POOLS
+
+    def shard(self, pool: str, rank_sharded: bool | None = None) -> str:
+        """Per TP rank where ``rank_sharded`` (default: rank_sharded(pool)), rank-shared
+        otherwise. Every field starts with ``_``, which the model name (model_name) never
+        contains."""
         s = self.model
-        if not (self.is_mla and pool == "kv"):
+        if self.rank_sharded(pool) if rank_sharded is None else rank_sharded:
             s += f"_tp{self.tp_rank}of{self.tp_size}"
         if self.pp_size > 1:
             s += f"_pp{self.pp_rank}of{self.pp_size}"
@@ -91,10 +113,11 @@ class KeyScheme:
             s += f"_dcp{self.dcp_rank}of{self.dcp_size}"
         return s
 
-    def key(self, page_hash: str, pool: str, fmt: str = "") -> bytes:
-        return self.keys([page_hash], pool, fmt)[0]
+    def key(self, page_hash: str, pool: str, fmt: str = "", rank_sharded: bool | None = None) -> bytes:
+        return self.keys([page_hash], pool, fmt, rank_sharded)[0]
 
-    def keys(self, page_hashes: list[str], pool: str, fmt: str = "") -> list[bytes]:
-        """``fmt``: the page format (page_format) of the host pool the pages live in."""
-        suffix = f".{pool}@{self.shard(pool)}" + (f"#{fmt}" if fmt else "")
+    def keys(self, page_hashes: list[str], pool: str, fmt: str = "", rank_sharded: bool | None = None) -> list[bytes]:
+        """``fmt``: the page format (page_format) of the host pool the pages live in;
+        ``rank_sharded``: see shard."""
+        suffix = f".{pool}@{self.shard(pool, rank_sharded)}" + (f"#{fmt}" if fmt else "")
         return [(h + suffix).encode() for h in page_hashes]

@@ -9,6 +9,7 @@ those buffers, sent and received scatter-gather straight from / into the pool's 
 from __future__ import annotations
 
 import ctypes
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,16 +69,50 @@ def page_bytes(host_pool: Any) -> int:
     return int(sum(sizes))
 
 
-#: SGLang server arguments that change what a page's bytes mean without changing the host pool
-#: (it holds fp8_e4m3 and fp8_e5m2 alike as uint8; another checkpoint, even one served under the
-#: same --served-model-name, quantized weights, their scales, another revision or overridden
-#: config values such as rope scaling give other K and V; with speculative decoding the host pool
-#: packs the draft model's layers into every page, so the draft's checkpoint, algorithm and
-#: KV cache dtype decide those bytes)
-IDENTITY_ARGS = ("model_path", "kv_cache_dtype", "mamba_ssm_dtype", "dtype", "quantization", "modelopt_quant",
-                 "quantization_param_path", "revision", "json_model_override_args",
-                 "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
-                 "speculative_draft_model_quantization", "speculative_draft_kv_cache_dtype")
+#: SGLang server arguments that decide what the model computes from its input: the checkpoint
+#: loaded (model path, revision, a decrypted config), how its weights are loaded ("dummy" gives
+#: random weights, "gguf" / "bitsandbytes" quantized ones), their dtype and quantization
+#: (ModelOpt's too, or a restored ModelOpt checkpoint), config overrides (rope scaling...), the
+#: weights' version label, and the multimodal preprocessing (image sizes). They change the KV
+#: pages and a multimodal encoder's embeddings alike (model_identity; the embedding store's keys).
+MODEL_ARGS = ("model_path", "revision", "decrypted_config_file", "load_format", "dtype", "quantization",
+              "modelopt_quant", "modelopt_checkpoint_restore_path", "quantize_and_serve", "rl_quant_profile",
+              "json_model_override_args", "weight_version", "mm_process_config",
+              "enable_precise_embedding_interpolation")
+
+#: SGLang server arguments that change only what a KV page's bytes mean without changing the host
+#: pool: the logical KV cache dtype (the pool holds fp8_e4m3 and fp8_e5m2 alike as uint8) and its
+#: scales, a Mamba pool's SSM state dtype, an indexer cache's dtype, the CPU experts' weights and
+#: their quantization (KTransformers), MoE activation precision, sparse attention, and with
+#: speculative decoding the draft model (the host pool packs its layers into every page: its
+#: algorithm, checkpoint, revision, load format, config, quantization and KV cache dtype decide
+#: those bytes).
+KV_ARGS = ("kv_cache_dtype", "quantization_param_path", "mamba_ssm_dtype", "enable_int8_mamba_checkpoint",
+           "qsa_indexer_dtype", "enable_deepseek_v4_fp4_indexer",
+           "kt_weight_path", "kt_method", "kt_num_gpu_experts",
+           "enable_w4a4_mxfp4_megamoe", "flashinfer_mxfp4_moe_precision", "enable_hisparse", "hisparse_config",
+           "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+           "speculative_draft_load_format", "decrypted_draft_config_file", "speculative_draft_model_quantization",
+           "speculative_draft_kv_cache_dtype", "speculative_enable_w4a4_mxfp4_megamoe")
+
+#: Everything that decides a KV page's bytes beyond what the host pool shows (deployment_identity).
+#: Not here, on purpose: what only decides how the same values are computed or scheduled
+#: (attention / MoE / sampling backends, parallelism, memory and cache sizes, CUDA graphs,
+#: model_impl, the image processor implementation), where a difference would only split caches.
+IDENTITY_ARGS = MODEL_ARGS + KV_ARGS
+
+#: arguments that count only when the one named is set (their defaults say nothing otherwise:
+#: kt_method defaults to "AMXINT4" whether or not KTransformers is used)
+_ONLY_WITH = {"kt_method": "kt_weight_path", "kt_num_gpu_experts": "kt_weight_path",
+              "hisparse_config": "enable_hisparse"}
+
+#: values that mean "not set": the automatic or default choice
+_UNSET = ("", "auto", "default", "{}", False)
+
+
+def _unset(value: Any) -> bool:
+    """Whether ``value`` is an argument's "not set" (None or _UNSET; 0 is a value: 0 GPU experts)."""
+    return value is None or any(type(value) is type(u) and value == u for u in _UNSET) or value == {}
 
 
 def _server_args() -> Any:
@@ -98,8 +133,8 @@ def served_model(server_args: Any = None) -> str:
     return str(getattr(args, "served_model_name", None) or getattr(args, "model_path", None) or "")
 
 
-def deployment_identity(server_args: Any = None) -> list[str]:
-    """``name=value`` of each IDENTITY_ARGS argument set to something other than its automatic
+def _identity(names: Sequence[str], server_args: Any) -> list[str]:
+    """``name=value`` of each argument of ``names`` set to something other than its automatic
     default, from ``server_args`` or else the process's (sglang.srt.runtime_context; none
     outside an SGLang process)."""
     if server_args is None:
@@ -107,11 +142,25 @@ def deployment_identity(server_args: Any = None) -> list[str]:
         if server_args is None:
             return []
     out = []
-    for name in IDENTITY_ARGS:
+    for name in names:
         value = getattr(server_args, name, None)
-        if value not in (None, "", "auto", "{}"):
-            out.append(f"{name}={value}")
+        if _unset(value) or (name in _ONLY_WITH and _unset(getattr(server_args, _ONLY_WITH[name], None))):
+            continue
+        if isinstance(value, (dict, list, tuple)):  # the same settings in another order are the same
+            value = json.dumps(value, sort_keys=True, default=str)
+        out.append(f"{name}={value}")
     return out
+
+
+def model_identity(server_args: Any = None) -> list[str]:
+    """What the server arguments say about the model's output (MODEL_ARGS): the part of the
+    deployment identity an encoder's embeddings depend on."""
+    return _identity(MODEL_ARGS, server_args)
+
+
+def deployment_identity(server_args: Any = None) -> list[str]:
+    """What the server arguments say about a KV page's bytes (IDENTITY_ARGS)."""
+    return _identity(IDENTITY_ARGS, server_args)
 
 
 def pool_format(host_pool: Any, identity: Sequence[str] = ()) -> str:

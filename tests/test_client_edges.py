@@ -174,3 +174,38 @@ def test_on_failure_hears_each_failed_owner_when_failures_are_misses():
                     timeout_s=2.0) as cl:
             assert cl.get(["k"]) == [None] and cl.exists(["k"]) == [False]
     assert len(seen) == 2 and all(down in str(e) for e in seen), seen
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 0, -1.0])
+@pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_a_clear_config_error(name, value):
+    """A probe: ClientConfig(timeout_s=inf) was accepted and then every call raised OverflowError
+    from poll() in gcache.net.stream (NaN never ends a wait either)."""
+    from gcache.client.config import ClientConfig
+
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number of seconds > 0"):
+        ClientConfig(**{name: value})
+    with pytest.raises(ConfigError, match=name):
+        Client(["127.0.0.1:1"], **{name: value})
+
+
+def test_a_deadline_shorter_than_timeout_s_ends_the_call_and_a_bad_one_is_refused(make_cluster):
+    """put/exists take a ``deadline`` (time.monotonic()) so that two calls can share one: the
+    call ends by it when it is sooner than timeout_s from now, never later."""
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, timeout_s=5.0, on_node_error=OnNodeError.MISS) as cl:
+        assert cl.put(["k"], [b"v"], deadline=time.monotonic() + 5.0) == [Status.OK]
+        assert cl.exists(["k"], deadline=time.monotonic() + 5.0) == [True]
+        sigstop(c.daemons[0].pid)
+        try:
+            t0 = time.monotonic()
+            assert cl.exists(["k"], deadline=t0 + 0.3) == [False]
+            assert cl.put(["k2"], [b"v"], deadline=t0 + 0.6) == [Status.UNAVAILABLE]
+            assert time.monotonic() - t0 < 1.5
+        finally:
+            c.daemons[0].proc.send_signal(signal.SIGCONT)
+        for bad in (float("nan"), float("inf"), "soon", True):
+            with pytest.raises(ValueError, match="deadline"):
+                cl.exists(["k"], deadline=bad)
+            with pytest.raises(ValueError, match="deadline"):
+                cl.put(["k"], [b"v"], deadline=bad)

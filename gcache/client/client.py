@@ -19,7 +19,7 @@ from typing import Any, Self
 from gcache.client.buffers import as_view
 from gcache.client.config import ClientConfig, LocalPath, OnNodeError
 from gcache.client.fanout import Fanout
-from gcache.client.keys import KeyLike, check_keys, key_bytes, per_key
+from gcache.client.keys import KeyLike, check_deadline, check_keys, key_bytes, per_key
 from gcache.client.ops import GetOp, Operation, PutOp
 from gcache.client.pool import Pool
 from gcache.client.replies import OK, Dest, parts
@@ -183,7 +183,8 @@ class Client:
     # -- batch operations -------------------------------------------------------------------
     def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float | Sequence[float] = 0.0,
             namespace: str | None = None, pool: str | None = None, pos: Sequence[int] | None = None,
-            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0, handover: bool = False) -> list[Status]:
+            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0, handover: bool = False,
+            deadline: float | None = None) -> list[Status]:
         """Store values (bytes-like, numpy arrays, CPU or GPU tensors); per-key Status.
 
         A value may also be a list/tuple of buffers, stored as their concatenation (sent
@@ -194,8 +195,11 @@ class Client:
         point's trailing-window page) and ``fmt`` (your format tag, an unsigned 32-bit int;
         one for all or one per key). See gcache.tier.pools.
         ``handover`` is for daemons pushing keys to their new owner: each is stored only where no
-        client has written or deleted it meanwhile (gcache.server.touchlog)."""
+        client has written or deleted it meanwhile (gcache.server.touchlog). ``deadline``
+        (time.monotonic()): end the batch by then if that is sooner than ``timeout_s`` from now
+        (one deadline for several calls)."""
         check_keys(keys)
+        check_deadline(deadline)
         namespace = self._ns(namespace)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
@@ -210,7 +214,7 @@ class Client:
         tail_ = per_key("tail", list(tail), n, int) if tail is not None else None
         if any(is_device_tensor(v) for v in values):
             return self.staging().put(self, keys, values, ttl_s=ttls, namespace=namespace, pool=pool, pos=pos_,
-                                      tail=tail_, fmt=fmts)
+                                      tail=tail_, fmt=fmts, deadline=deadline)
         kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
         if len(set(kb)) != n:
             # the same key more than once: the last value wins, as if written in order (the
@@ -222,12 +226,13 @@ class Client:
                 return [v[i] for i in keep] if isinstance(v, list) else v
 
             st = self.put([kb[i] for i in keep], [values[i] for i in keep], ttl_s=pick(ttls), namespace=namespace,
-                          pool=pool, pos=pick(pos_), tail=pick(tail_), fmt=pick(fmts), handover=handover)
+                          pool=pool, pos=pick(pos_), tail=pick(tail_), fmt=pick(fmts), handover=handover,
+                          deadline=deadline)
             got = dict(zip(keep, st))
             return [got[last[k]] for k in kb]
         op = PutOp(namespace, [parts(v) for v in values],
                    {"ttl": ttls, "fmt": fmts, "pos": pos_, "tail": tail_}, pool, handover)
-        self._run(op, kb)
+        self._run(op, kb, deadline)
         return op.status
 
     def get_into(self, keys: Sequence[KeyLike], buffers: Sequence[Any], *,
@@ -253,15 +258,16 @@ class Client:
         return [buf if st is OK else None for st, buf in zip(res.status, bufs)]
 
     def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None,
-               tail: Sequence[int] | None = None) -> list[bool]:
+               tail: Sequence[int] | None = None, deadline: float | None = None) -> list[bool]:
         """Whether each key is stored (a hit refreshes its recency). ``tail`` re-marks existing
-        pooled pages as restore-point (1) or interior (0) pages."""
+        pooled pages as restore-point (1) or interior (0) pages. ``deadline``: as for put."""
         check_keys(keys)
+        check_deadline(deadline)
         if tail is not None and len(tail) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(tail)} tail values")
         per_key = {"tail": [int(t) for t in tail]} if tail is not None else None
         op = Operation(Op.EXISTS, self._ns(namespace), len(keys), per_key)
-        self._run(op, keys)
+        self._run(op, keys, deadline)
         return [s is OK for s in op.status]
 
     def delete(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
@@ -336,15 +342,16 @@ class Client:
             metas = [m if st is OK else None for m, st in zip(metas, op.status)]
         return GetResult(op.status, op.sizes_out, metas), op.bufs
 
-    def _run(self, op: Operation, keys: Sequence[KeyLike]) -> None:
-        """Run a batch (gcache.client.fanout); with OnNodeError.RAISE the first failure of an
-        owner is raised once the others have answered."""
+    def _run(self, op: Operation, keys: Sequence[KeyLike], deadline: float | None = None) -> None:
+        """Run a batch (gcache.client.fanout), by ``deadline`` when that is sooner than the
+        client's timeout_s; with OnNodeError.RAISE the first failure of an owner is raised once
+        the others have answered."""
         err = namespace_error(op.ns)
         if err:
             raise ValueError(err)
         if not keys:
             return
-        failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys])
+        failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys], deadline)
         if failures and self.config.on_node_error is OnNodeError.RAISE:
             raise failures[0]
         if failures and self.config.on_failure is not None:

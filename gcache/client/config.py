@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,8 +64,11 @@ class ClientConfig:
         err = namespace_error(self.namespace)
         if err:
             raise ConfigError(err)
-        if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
-            raise ConfigError("timeouts must be > 0 seconds")
+        for name in ("timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            # bool is an int; inf overflows every wait (poll, select) and NaN never compares
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         if self.split_bytes < 1 or self.split_keys < 1:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         if self.max_idle_per_node < 0:

@@ -1,7 +1,8 @@
-"""Checks of a batch call's arguments: its keys, and a per-key argument given once or per key."""
+"""Checks of a batch call's arguments: its keys, a per-key argument given once or per key, a deadline."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 KeyLike = str | bytes
@@ -32,3 +33,11 @@ def per_key(name: str, v: Any, n: int, kind: type) -> Any:
     if len(out) != n:
         raise ValueError(f"{n} keys but {len(out)} {name} values")
     return out
+
+
+def check_deadline(deadline: float | None) -> None:
+    """A call's ``deadline`` is None or a finite time.monotonic() value (NaN would never end a
+    wait, and compares false with everything)."""
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not math.isfinite(deadline)):
+        raise ValueError(f"deadline must be a finite time.monotonic() value or None, got {deadline!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import signal
 import threading
 import time
 
@@ -245,3 +246,33 @@ def test_a_refused_token_is_logged_once_not_silent(make_cluster, tmp_path, monke
         assert good.batch_set_v1(["a", "b", "c", "d"], idx) == [True] * 4
     finally:
         good.close()
+
+
+def test_a_backup_against_a_hung_daemon_ends_within_timeout_s(make_cluster):
+    """Found by a probe: with skip_existing a backup asks which pages exist, then puts the rest,
+    each call with its own timeout_s, so a hung (SIGSTOPped) daemon cost a backup twice
+    timeout_s. Both rounds share one deadline now; the other daemon's pages are still stored."""
+    import torch
+
+    from tests.conftest import sigstop
+
+    c = make_cluster(nodes=2, mem="32MiB", extra_args=["--no-pretouch"])
+    src = mha_host_pool("page_first", tokens=128)
+    fill_random(src, seed=5)
+    s = make_storage(c.addresses, extra={"timeout_s": 1.0, "local": "off"})
+    s.register_mem_pool_host(src)
+    keys = [f"hung{i}" for i in range(16)]
+    idx = torch.arange(0, 64)
+    owners = s.client.owners(s.page_keys(keys, "kv"))
+    hung = {c.daemons[0].node_id, c.daemons[0].address}
+    assert 0 < sum(o in hung for o in owners) < len(keys)
+    sigstop(c.daemons[0].pid)
+    try:
+        t0 = time.monotonic()
+        res = s.batch_set_v1(keys, idx)
+        took = time.monotonic() - t0
+    finally:
+        c.daemons[0].proc.send_signal(signal.SIGCONT)
+    assert took < 1.5, f"a backup took {took:.2f}s with timeout_s=1.0"
+    assert res == [o not in hung for o in owners]  # the healthy daemon's pages are stored
+    s.close()

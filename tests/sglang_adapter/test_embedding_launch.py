@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from sglang_adapter.emb_config import identity_tag
 from tests.sglang_adapter.conftest import HAVE_SGLANG
 
 pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang 0.5.23 / torch not installed: make sglang-deps")
@@ -83,6 +84,6 @@ def test_store_refuses_buffers_it_cannot_describe(sgl):
         assert store.metrics()["errors"] == 1
         with pytest.raises(ValueError, match="2-D"):
             store.register_buffer(torch.zeros(8))
-        assert store.get_key("h") == "h.emb.vision@test/vlm#bfloat16x16.v1"
+        assert store.get_key("h") == f"h.emb.vision@test/vlm#bfloat16x16.{identity_tag(store.identity)}.v2"
     finally:
         store.close()

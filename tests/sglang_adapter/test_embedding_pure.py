@@ -14,13 +14,18 @@ from sglang_adapter.emb_config import (
     EmbeddingFormat,
     EmbeddingStoreConfig,
     embedding_keys,
+    identity_tag,
 )
 
 
-def test_keys_name_model_modality_dtype_hidden_and_version():
+def test_keys_name_model_modality_dtype_hidden_identity_and_version():
     fmt = EmbeddingFormat("vision", "bfloat16", 4096)
     (key,) = embedding_keys(["ab12"], "Qwen/Qwen2.5-VL-7B", fmt)
-    assert key == f"ab12.emb.vision@Qwen/Qwen2.5-VL-7B#bfloat16x4096.v{FORMAT_VERSION}".encode()
+    assert key == f"ab12.emb.vision@Qwen/Qwen2.5-VL-7B#bfloat16x4096.{identity_tag()}.v{FORMAT_VERSION}".encode()
+    assert FORMAT_VERSION == 2  # v1 keys had no identity: one of another checkpoint would be read
+    ident = identity_tag(["model_path=org/vlm", "load_format=dummy"])
+    assert embedding_keys(["h"], "m", fmt, ident) != embedding_keys(["h"], "m", fmt, identity_tag(["model_path=org/vlm"]))
+    assert embedding_keys(["h"], "m", fmt, ident) == embedding_keys(["h"], "m", fmt, ident)
 
 
 @pytest.mark.parametrize("other", [
@@ -57,8 +62,10 @@ def test_config_from_mapping_json_and_environment(monkeypatch):
 @pytest.mark.parametrize("bad, why", [
     ({"model": "m", "nodes": []}, "no nodes"),
     ({"nodes": "h:1"}, "no model"),
-    ({"nodes": "h:1", "model": "m", "timeout_s": 0}, "must be > 0"),
+    ({"nodes": "h:1", "model": "m", "timeout_s": 0}, "seconds > 0"),
     ({"nodes": "h:1", "model": "m", "timeout_s": True}, "wrong type"),
+    ({"nodes": "h:1", "model": "m", "timeout_s": float("inf")}, "finite number of seconds"),
+    ({"nodes": "h:1", "model": "m", "connect_timeout_s": float("nan")}, "finite number of seconds"),
     ({"nodes": "h:1", "model": "m", "local": "sometimes"}, "auto, off or force"),
     ({"nodes": "h:1", "model": "m", "bogus": 1}, "unknown config keys"),
     ({"nodes": "h:1", "model": "m", "token_file": 7}, "'token_file' has the wrong type"),

@@ -305,3 +305,44 @@ def test_an_empty_embedding_is_refused_and_an_entry_that_cannot_be_one_is_delete
         assert store.batch_get(["h"], [pool.data_ptr()], [2 * row]) == [True] and bool((pool[:2] == 5.0).all())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("writer_args, reader_args", [
+    ({"model_path": "Qwen/Qwen2-VL-7B-Instruct", "served_model_name": "vlm"},
+     {"model_path": "Qwen/Qwen2.5-VL-7B-Instruct", "served_model_name": "vlm"}),  # one served name
+    ({"model_path": "org/vlm", "revision": "v1"}, {"model_path": "org/vlm", "revision": "v2"}),
+    ({"model_path": "org/vlm", "quantization": "fp8"}, {"model_path": "org/vlm"}),
+    ({"model_path": "org/vlm", "load_format": "dummy"}, {"model_path": "org/vlm"}),  # random weights
+], ids=["two_checkpoints_one_name", "revision", "quantization", "dummy_weights"])
+def test_encoders_loading_other_weights_under_one_name_never_share_embeddings(sgl, make_cluster, writer_args,
+                                                                              reader_args):
+    """Found by a probe: the key named only the served model, so two checkpoints (revisions,
+    quantized or random weights) served under one name read each other's embeddings. The
+    model identity of the server arguments (pages.model_identity) is part of the key now."""
+    import torch
+
+    from sglang_adapter.embedding import GCacheEmbeddingStore
+    from tests.sglang_adapter.test_formats import server_args
+
+    addrs = make_cluster(nodes=1, mem="16MiB", extra_args=["--no-pretouch", "--pool-budget", "emb=8MiB"]).addresses
+    made = []
+    for fields in (writer_args, reader_args, writer_args):
+        with server_args(**fields):
+            store = GCacheEmbeddingStore({"nodes": addrs, "timeout_s": 5.0})
+        pool = torch.zeros(8, 16, dtype=torch.bfloat16)
+        store.register_buffer(pool, modality="vision")
+        made.append((store, pool))
+    (writer, wpool), (reader, rpool), (again, apool) = made
+    try:
+        assert writer.config.model == reader.config.model or "served_model_name" not in writer_args
+        wpool[:4].copy_(torch.randn(4, 16))
+        size = 4 * 16 * 2
+        assert writer.batch_put(["h"], [wpool.data_ptr()], [size]) == [True]
+        assert reader.batch_is_exist(["h"]) == [False]
+        assert reader.batch_get(["h"], [rpool.data_ptr()], [size]) == [False]
+        assert not rpool.any()
+        assert again.batch_get(["h"], [apool.data_ptr()], [size]) == [True]  # the same deployment shares
+        assert torch.equal(apool[:4], wpool[:4])
+    finally:
+        for store, _ in made:
+            store.close()

@@ -269,3 +269,95 @@ def test_an_unnamed_model_is_keyed_by_the_served_model():
     assert served_model(SimpleNamespace(served_model_name=None, model_path="Org/A-7B")) == "Org/A-7B"
     assert served_model(SimpleNamespace(served_model_name="a", model_path="Org/A-7B")) == "a"
     assert served_model(SimpleNamespace()) == ""
+
+
+@pytest.mark.parametrize("writer_args, reader_args", [
+    ({"load_format": "dummy"}, {}),  # random weights
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "org/d",
+      "speculative_draft_load_format": "dummy"},
+     {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "org/d"}),
+    ({"modelopt_checkpoint_restore_path": "/ckpt/a"}, {}),
+    ({"kt_weight_path": "/w/a"}, {"kt_weight_path": "/w/b"}),  # KTransformers' CPU expert weights
+    ({"kt_weight_path": "/w/a", "kt_method": "AMXINT8"}, {"kt_weight_path": "/w/a"}),
+], ids=["load_format", "draft_load_format", "modelopt_restore", "kt_weight_path", "kt_method"])
+def test_deployments_loading_other_weights_never_share_pages(cluster, writer_args, reader_args):
+    """Found by a probe: these arguments change the weights (so K and V) but were not part of the
+    page identity, so a deployment with random "dummy" weights wrote pages a real one read."""
+    storages = []
+    for fields in (writer_args, reader_args, writer_args):
+        with server_args(model_path="org/m", **fields):
+            s = make_storage(cluster.addresses, model_name="org/m")
+        s.register_mem_pool_host(mha_host_pool(draft_layers=1 if "speculative_algorithm" in fields else 0))
+        storages.append(s)
+    writer, reader, again = storages
+    keys = hashes(3, 1000 + 10 * len(writer_args) + len(str(writer_args)))
+    assert write_then_probe(cluster, writer, reader, keys) == (0, [False] * 3)
+    assert again.batch_exists(keys) == 3  # the same deployment still shares
+    for s in storages:
+        s.close()
+
+
+def test_what_only_changes_scheduling_or_kernels_does_not_split_the_cache(sgl):
+    """The identity names only what changes the bytes: defaults, backends, sizes and parallelism
+    leave it as it is (a difference there would only split caches), 0 GPU experts is a value,
+    and KTransformers' settings count only when it is used."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_adapter.pages import deployment_identity, model_identity
+
+    base = deployment_identity(ServerArgs(model_path="org/m"))
+    assert base == ["model_path=org/m"]
+    for fields in ({"attention_backend": "triton"}, {"max_running_requests": 7}, {"chunked_prefill_size": 1024},
+                   {"load_format": "auto"}, {"weight_version": "default"}, {"kt_method": "AMXINT8"},
+                   {"kt_num_gpu_experts": 3}):
+        assert deployment_identity(ServerArgs(model_path="org/m", **fields)) == base, fields
+    kt = deployment_identity(ServerArgs(model_path="org/m", kt_weight_path="/w", kt_num_gpu_experts=0))
+    assert "kt_num_gpu_experts=0" in kt and "kt_method=AMXINT4" in kt
+    # the embeddings' part: the weights, not the KV cache's dtype or a draft
+    assert model_identity(ServerArgs(model_path="org/m", kv_cache_dtype="fp8_e4m3")) == base
+    assert model_identity(ServerArgs(model_path="org/m", load_format="dummy")) != base
+
+
+def test_mla_side_pools_written_by_the_storage_writer_are_found_by_every_tp_rank(cluster):
+    """Found by a probe: SGLang backs up an MLA model's replicated side pools (the DSA indexer,
+    DeepSeek-V4's compressed pools) on the storage writer (TP rank 0) only
+    (HybridCacheController.should_backup), but the adapter keyed them per TP rank: rank 1 never
+    found them, and SGLang's MIN over the ranks made every prefetch of the deployment 0 pages.
+    They are keyed without the rank now, like the MLA KV pool; a pool whose bytes differ per
+    rank (an MHA draft: heads split over the ranks) keeps the rank."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    ranks = []
+    for r in range(2):
+        s = make_storage(cluster.addresses, is_mla_model=True, tp_rank=r, tp_size=2, model_name="org/dsv32")
+        kv, indexer = mla_host_pool(), mla_host_pool(layers=1)
+        s.register_mem_pool_host(kv)
+        s.register_mem_host_pool_v2(kv, PoolName.KV)
+        s.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        s.register_mem_host_pool_v2(mha_host_pool(layers=1), PoolName.DRAFT)
+        ctl = object.__new__(HybridCacheController)  # SGLang's own rule of who backs up what
+        ctl.__dict__.update(storage_config=s.storage_config, storage_backend_type="dynamic")
+        ranks.append((s, ctl))
+    keys = hashes(3, 7000)
+    hidx = torch.arange(8, 8 + 3 * PAGE)
+    for s, ctl in ranks:
+        t = PoolTransfer(name=PoolName.INDEXER, host_indices=hidx, keys=keys, indices_from_pool=PoolName.KV)
+        if s.storage_config.is_storage_writer:
+            assert s.batch_set_v1(keys, hidx) == [True] * 3
+        if ctl.should_backup(t):
+            assert s.batch_set_v2([t]) == {"indexer": [True] * 3}
+    assert [ctl.should_backup(PoolTransfer(name=PoolName.INDEXER, keys=keys)) for _, ctl in ranks] == [True, False]
+    for s, _ in ranks:
+        t = PoolTransfer(name=PoolName.INDEXER, keys=keys, indices_from_pool=PoolName.KV,
+                         hit_policy=PoolHitPolicy.ALL_PAGES)
+        res = s.batch_exists_v2(keys, [t])
+        assert (res.kv_hit_pages, res.restorable_prefix_pages) == (3, [1, 2, 3]), s.storage_config.tp_rank
+        assert s.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=hidx, keys=keys)]) == \
+            {"indexer": [True] * 3}
+    (s0, _), (s1, _) = ranks
+    assert s0.page_keys(keys, "indexer") == s1.page_keys(keys, "indexer")
+    assert s0.page_keys(keys, "draft") != s1.page_keys(keys, "draft")  # MHA heads differ per rank
+    for s, _ in ranks:
+        s.close()

@@ -44,7 +44,19 @@ def test_keys_name_rank_pool_and_share_mla_kv():
     assert mha0.key("ab", "kv") != mha0.key("ab", "swa")
     mla0, mla1 = KeyScheme("m", 0, 2, is_mla=True), KeyScheme("m", 1, 2, is_mla=True)
     assert mla0.key("ab", "kv") == mla1.key("ab", "kv") == b"ab.kv@m"
-    assert mla0.key("ab", "mamba") != mla1.key("ab", "mamba")
+    assert mla0.key("ab", "mamba") != mla1.key("ab", "mamba")  # Mamba state is split over the ranks
+
+
+@pytest.mark.parametrize("pool", ["indexer", "swa", "draft", "deepseek_v4_c4", "deepseek_v4_c4_indexer"])
+def test_mla_side_pools_are_rank_shared_like_the_mla_kv(pool):
+    """SGLang backs up an MLA model's side pools on TP rank 0 only: keyed per rank, no other rank
+    ever found them. Only a pool whose bytes differ per rank keeps the rank: Mamba by name, any
+    other when the caller says so (the backend does for an MHA host pool)."""
+    mla0, mla1 = KeyScheme("m", 0, 2, is_mla=True), KeyScheme("m", 1, 2, is_mla=True)
+    assert mla0.key("ab", pool) == mla1.key("ab", pool) == f"ab.{pool}@m".encode()
+    assert mla0.key("ab", pool, rank_sharded=True) != mla1.key("ab", pool, rank_sharded=True)
+    mha0, mha1 = KeyScheme("m", 0, 2), KeyScheme("m", 1, 2)
+    assert mha0.key("ab", pool) != mha1.key("ab", pool)  # MHA: every pool is per rank
 
 
 def test_page_format_names_every_property_of_the_bytes():
@@ -113,3 +125,32 @@ def test_page_format_extra_fields_are_part_of_the_format():
     assert page_format(*base) != page_format(*base, ["kv_cache_dtype=fp8_e4m3"])
     assert page_format(*base, ["kv_cache_dtype=fp8_e4m3"]) != page_format(*base, ["kv_cache_dtype=fp8_e5m2"])
     assert page_format(*base, ["layers=0-10"]) != page_format(*base, ["layers=1-11"])
+
+
+def test_adapter_config_refuses_unknown_keys_and_accepts_sglangs_own(monkeypatch):
+    """Found by a probe: a misspelt key ("namepsace") was ignored, so the deployment silently
+    used (and shared) the default namespace. Unknown keys are refused, naming the known ones;
+    the keys SGLang itself reads from the same extra_config are accepted."""
+    for k in ("GCACHE_NODES", "GCACHE_MASTERS", "GCACHE_CONFIG"):
+        monkeypatch.delenv(k, raising=False)
+    for typo in ("namepsace", "skip_exisiting"):
+        with pytest.raises(ConfigError, match=rf"unknown extra_config key\(s\) \['{typo}'\].*'namespace'"):
+            AdapterConfig.from_extra({"nodes": ["a:1"], typo: "x"})
+    sglang_keys = {"backend_name": "gcache", "module_path": "sglang_adapter.backend", "class_name": "GCacheStorage",
+                   "interface_v1": 1, "prefetch_threshold": 256, "prefetch_timeout_base": 1,
+                   "prefetch_timeout_per_ki_token": 0.25, "hicache_storage_pass_prefix_keys": True, "tp_lcm_size": 4}
+    assert AdapterConfig.from_extra({"nodes": ["a:1"], "namespace": "ft-b", **sglang_keys}).namespace == "ft-b"
+
+
+@pytest.mark.parametrize("value", [True, False, float("inf"), float("nan"), -1.0, 0])
+@pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
+def test_timeouts_are_finite_numbers_of_seconds_in_both_configs(monkeypatch, name, value):
+    """Found by a probe: timeout_s true was taken for 1 second, and Infinity (json.loads accepts
+    it) made every call fail with an OverflowError deep in the client."""
+    from sglang_adapter.emb_config import EmbeddingStoreConfig
+
+    monkeypatch.delenv("GCACHE_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match=name):
+        AdapterConfig.from_extra({"nodes": ["a:1"], name: value})
+    with pytest.raises(ConfigError, match=name):
+        EmbeddingStoreConfig.load({"nodes": ["a:1"], "model": "m", name: value})
