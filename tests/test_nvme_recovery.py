@@ -15,21 +15,13 @@ from gcache.cluster import free_port
 from gcache.tier import records as R
 from gcache.tier.nvme import NvmeTier
 from tests.conftest import poll
+from tests.test_nvme_full_disk import readable
 
 KB = 1024
 MB = 1024 * KB
 K = ("ns", b"the-key")
 V1, V2 = b"v1" * 500, b"v2" * 500
 SEG = 64 * KB
-
-
-def readable(t, k):
-    """The bytes the tier serves for ``k`` (None: a miss)."""
-    loc = t.lookup(k)
-    if loc is None:
-        return None
-    buf = memoryview(bytearray(loc.size))
-    return bytes(buf) if t.read(k, loc, buf) else None
 
 
 def filler(tag, i):
