@@ -86,6 +86,7 @@ class MembershipWatcher:
         self.attaches = 0  # streams that delivered a membership
         self.known = -1  # epoch of the last membership delivered
         self.address = ""  # the master of the last stream that delivered one
+        self.trying = ""  # the master of the stream being attempted now
         self._held: dict[str, Any] | None = None  # that membership as the master sent it (deltas apply to it)
         self._first = threading.Event()
         self._stop = threading.Event()
@@ -98,13 +99,15 @@ class MembershipWatcher:
     def attach(cls, masters: MasterClient, on_update: Callable[[Membership], None], where: str) -> MembershipWatcher:
         """A started watch, once ``on_update`` has had a membership to route by (raises the
         reason when none came: a refused token, no master answering). A silent first master
-        costs ``FIRST_ANSWER_S``, not its whole attempt: then every master is asked at once and
+        costs ``FIRST_ANSWER_S``, not its whole attempt: then the other masters are asked at once and
         the first answer makes the client usable while the watch goes on to the next master."""
         watcher = cls(masters, on_update).start()
         usable = watcher.wait_first(FIRST_ANSWER_S)
-        if not usable and watcher.error is None:
+        if not usable and watcher.error is None and len(masters.addresses) > 1:
+            # the others: the one the watch is trying is asked already (and may be the slow one)
             m = masters.first_answer("GetMembership", {}, watcher.attempt_timeout_s,
-                                     accept=lambda m: bool(Membership.from_master(m).owners()))
+                                     accept=lambda m: bool(Membership.from_master(m).owners()),
+                                     skip=watcher.trying)
             if m is not None:
                 on_update(Membership.from_master(m))
                 usable = True
@@ -134,6 +137,7 @@ class MembershipWatcher:
             address = order[i % len(order)]
             i += 1
             nxt = order[i % len(order)]
+            self.trying = address
             if self._attempt(address, nxt if self.standby and nxt != address else None):
                 backoff.reset()
                 self._failed.clear()

@@ -144,9 +144,10 @@ class MasterClient:
         return out
 
     def first_answer(self, name: str, request: dict[str, Any], timeout_s: float,
-                     accept: Callable[[dict[str, Any]], bool] = lambda _: True) -> dict[str, Any] | None:
-        """Call every master at once; the first acceptable answer, or None when none came within
-        ``timeout_s`` (a silent master costs nothing when another answers)."""
+                     accept: Callable[[dict[str, Any]], bool] = lambda _: True,
+                     skip: str | None = None) -> dict[str, Any] | None:
+        """Call every master (but ``skip``) at once; the first acceptable answer, or None when
+        none came within ``timeout_s`` (a silent master costs nothing when another answers)."""
         done: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
         def finished(fut: Any) -> None:
@@ -156,7 +157,8 @@ class MasterClient:
             except (grpc.RpcError, grpc.FutureCancelledError, KeyError, TypeError, ValueError):
                 done.put(None)
 
-        futs = [self._method(a, name).future(request, timeout=timeout_s, metadata=self._md()) for a in self.addresses]
+        futs = [self._method(a, name).future(request, timeout=timeout_s, metadata=self._md())
+                for a in self.addresses if a != skip]
         for f in futs:
             f.add_done_callback(finished)
         deadline = time.monotonic() + timeout_s
