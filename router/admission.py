@@ -3,8 +3,18 @@ priority queue until one frees up, or refuse with a reason.
 
 The decision itself is ``decide.plan`` (pure); this module adds the state I/O,
 the wait queues (one per length bucket and model) and encoder affinity. One asyncio task
-pumps the queues at a time; the head is retried when a local lease is released
-and every ``poll_s`` (capacity may be freed by another replica).
+pumps the queues at a time; the head is retried when a local lease is released,
+when another replica leaves this one a slot (``RouterState.on_wake``) and every ``poll_s``.
+
+Fairness across replicas (``--state redis``): each replica publishes the order key of each
+queue's head, on wall-clock time (``queue.order_key``), and reads the others' with every
+snapshot. A free slot on worker W goes to this replica's request (queued or new) only if no
+other replica publishes a head that W can serve (same bucket or a bucket-less W, a model W
+serves) with a key better by more than ``FAIR_TOLERANCE_S``; otherwise this replica leaves
+the slot and wakes that replica. A published head expires ``head_ttl_s`` after its replica's
+last call, and one that has been left slots for ``YIELD_GRACE_S`` without taking them (its
+replica stalled, or its head cannot use W after all) is ignored: neither blocks anybody
+longer than that.
 """
 
 from __future__ import annotations
@@ -16,14 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from router.buckets import BucketMap
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerSpec
 from router.decide import Outcome, Plan, plan
 from router.encoder import EncoderRing
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, Reason
-from router.queue import PendingQueue
+from router.queue import PendingQueue, key_tolerance, order_key
 from router.request import ParsedRequest
-from router.state_base import Lease, RouterState
+from router.state_base import Lease, RivalHead, RouterState
+
+FAIR_TOLERANCE_S = 0.01  # a rival head must be this much older (in arrival time) to be let first
+YIELD_GRACE_S = 0.5  # a rival head left slots this long without taking them stops counting
 
 
 class Rejected(Exception):
@@ -45,6 +58,8 @@ class _Waiter:
     l3_tokens: int = 0
     gone: asyncio.Future | None = None  # resolved when the client went away
     handle: Any = None  # its queue entry (PendingQueue.push), to remove exactly this waiter
+    uncached: int = 0
+    wall: float = 0.0  # time.time() at arrival: its published key compares across replicas
 
 
 class Admission:
@@ -63,6 +78,11 @@ class Admission:
         self.poll_s = poll_s
         self._pump_lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
+        self._tol = key_tolerance(cfg.queue, FAIR_TOLERANCE_S)
+        self._yielded: dict[tuple[str, int, str | None, float], float] = {}  # rival head -> first left a slot
+        self._waker: asyncio.Task | None = None
+        self._rewake = False
+        state.on_wake = self._woken
 
     def __repr__(self) -> str:
         return f"Admission(policy={self.policy.name}, depth={self.depth()})"
@@ -81,7 +101,9 @@ class Admission:
                 return got
         # straight to a worker only while nobody waits: a waiting request of any bucket may be
         # the one a free shared (bucket-less) worker owes its next slot to
-        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.depth())
+        wall = time.time()
+        p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.depth(),
+                                 key_of=lambda p: order_key(self.cfg.queue, p.uncached_tokens, wall))
         if got is not None:
             return got
         if p.outcome is Outcome.NO_MODEL:
@@ -96,7 +118,7 @@ class Admission:
             self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(503, "queue_full", "router queue is full; retry later", retry_after=1.0)
         w = _Waiter(req, asyncio.get_running_loop().create_future(), time.monotonic(), exclude, l3_tokens,
-                    gone() if gone is not None else None)
+                    gone() if gone is not None else None, uncached=p.uncached_tokens, wall=wall)
         handle = w.handle = q.push(w, p.uncached_tokens, w.since)
         self.metrics.queue_depth.set(self.depth())
         self._ensure_poller()
@@ -119,6 +141,7 @@ class Admission:
         finally:
             if q.cancel(handle):
                 self.metrics.queue_depth.set(self.depth())
+                self._publish()
             if not ok:
                 if not w.fut.done():
                     w.fut.cancel()
@@ -129,6 +152,11 @@ class Admission:
         await self._give_back(lease)
         if self.depth():
             await self.pump()
+        elif self.state.rival_heads():  # nobody here wants the slot: wake the replica owed it, if any
+            spec = next((s for s in self.state.known_specs() if s.name == lease.worker), None)
+            rival = self._owed(spec, float("inf")) if spec is not None else None
+            if rival is not None:
+                self.state.wake(rival)
 
     async def _give_back(self, lease: Lease) -> None:
         if lease.probe is not None:
@@ -144,6 +172,7 @@ class Admission:
             while True:
                 heads = [(key, b) for b, q in self.queues.items()
                          if b not in blocked and (key := q.head_key()) is not None]
+                self._publish()
                 if not heads:
                     break
                 bucket = min(heads, key=lambda h: h[0])[1]  # (length bucket, model)
@@ -152,7 +181,7 @@ class Admission:
                 if w is None or w.fut.done() or (w.gone is not None and w.gone.done()):
                     q.pop()
                     continue
-                p, got = await self._try(w.req, w.exclude, w.l3_tokens)
+                p, got = await self._try(w.req, w.exclude, w.l3_tokens, key_of=_const(self._key(w)))
                 # the state may have been remote (Redis): meanwhile this waiter may have left (its
                 # client gave up) and another may have become the head. Take out exactly this one;
                 # a slot taken for a waiter no longer there goes back at once
@@ -173,10 +202,68 @@ class Admission:
                     self.metrics.queue_wait.observe(time.monotonic() - w.since)
                     w.fut.set_result(got)
             self.metrics.queue_depth.set(self.depth())
+            self._publish()
+
+    def _key(self, w: _Waiter) -> float:
+        return order_key(self.cfg.queue, w.uncached, w.wall)
+
+    def _publish(self) -> None:
+        """Tell the other replicas each queue's head key (nothing to tell in memory mode). A head
+        that must avoid some workers (a retry) is not published: it might not take what it is left."""
+        heads = {}
+        for b, q in self.queues.items():
+            w = q.peek()
+            if w is not None and not w.exclude:
+                heads[b] = self._key(w)
+        self.state.publish_heads(heads)
+
+    def _owed(self, spec: WorkerSpec, key: float) -> str | None:
+        """The replica owed a free slot on ``spec``'s worker ahead of a request of ``key``: the
+        one publishing the best head key below ``key - tolerance`` that the worker can serve."""
+        rivals = self.state.rival_heads()
+        if not rivals:
+            if self._yielded:
+                self._yielded.clear()
+            return None
+        now = time.monotonic()
+        best: RivalHead | None = None
+        for h in rivals:
+            if (h.key < key - self._tol and (best is None or h.key < best.key) and spec.role == "llm"
+                    and (spec.bucket is None or spec.bucket == h.bucket)
+                    and (h.model is None or spec.serves(h.model))):
+                if now - self._yielded.get((h.replica, h.bucket, h.model, h.key), now) > YIELD_GRACE_S:
+                    continue  # left slots long enough without taking one: stale, or cannot use them
+                best = h
+        if len(self._yielded) > 4 * len(rivals) + 64:  # forget heads no longer published
+            live = {(h.replica, h.bucket, h.model, h.key) for h in rivals}
+            self._yielded = {k: t for k, t in self._yielded.items() if k in live}
+        if best is None:
+            return None
+        self._yielded.setdefault((best.replica, best.bucket, best.model, best.key), now)
+        return best.replica
+
+    def _woken(self) -> None:
+        """Another replica left this one a slot: pump now (again after a running pump)."""
+        if not self.depth():
+            return
+        if self._waker is not None and not self._waker.done():
+            self._rewake = True
+            return
+        self._waker = asyncio.get_running_loop().create_task(self._pump_woken())
+
+    async def _pump_woken(self) -> None:
+        while True:
+            self._rewake = False
+            await self.pump()
+            if not self._rewake or not self.depth():
+                return
 
     async def _try(self, req: ParsedRequest, exclude: frozenset[str], l3_tokens: int = 0,
-                   take=lambda p: True) -> tuple[Plan, tuple[Lease, Decision] | None]:
-        """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead."""
+                   take=lambda p: True, key_of: Callable[[Plan], float] | None = None,
+                   ) -> tuple[Plan, tuple[Lease, Decision] | None]:
+        """Plan, then acquire the chosen worker unless ``take(plan)`` says to queue instead, or
+        another replica's head with a better key than ``key_of(plan)`` is owed the worker (then
+        that replica is woken, and the plan comes back ROUTED without a lease)."""
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
@@ -187,7 +274,11 @@ class Admission:
                 return p, None
             d = p.decision
             assert d is not None  # ROUTED
-            limit = next(s.spec.max_inflight for s in snap if s.name == d.worker)
+            ws = next(s for s in snap if s.name == d.worker)
+            if key_of is not None and (rival := self._owed(ws.spec, key_of(p))) is not None:
+                self.state.wake(rival)
+                return p, None
+            limit = ws.spec.max_inflight
             token = object()
             if not self.state.take_probe(d.worker, token):
                 continue  # its circuit is half-open and the probe is in flight: the next snapshot says so
@@ -224,6 +315,8 @@ class Admission:
             await self.pump()
 
     async def close(self) -> None:
+        if self._waker is not None:
+            self._waker.cancel()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -232,3 +325,5 @@ class Admission:
                 pass
 
 
+def _const(key: float) -> Callable[[Plan], float]:
+    return lambda p: key

@@ -41,6 +41,27 @@ class _Entry(Generic[T]):
     live: bool = field(default=True, compare=False)
 
 
+def order_key(cfg: QueueConfig, uncached: int, arrival: float) -> float:
+    """The first part of ``PendingQueue.key``: what a request of ``uncached`` tokens arriving at
+    ``arrival`` is ordered by. With wall-clock arrivals it compares across router replicas."""
+    order = cfg.order
+    if order is QueueOrder.FCFS:
+        return arrival
+    if order is QueueOrder.UNCACHED:
+        return float(uncached)
+    rate = cfg.aging_tokens_per_s
+    return min(uncached, rate * cfg.max_wait_s / 2) + rate * arrival
+
+
+def key_tolerance(cfg: QueueConfig, seconds: float) -> float:
+    """``seconds`` of arrival time in key units (0 for UNCACHED, whose keys hold no time)."""
+    if cfg.order is QueueOrder.FCFS:
+        return seconds
+    if cfg.order is QueueOrder.UNCACHED:
+        return 0.0
+    return cfg.aging_tokens_per_s * seconds
+
+
 class PendingQueue(Generic[T]):
     """A priority queue of waiting items with cancellation and expiry."""
 
@@ -58,13 +79,7 @@ class PendingQueue(Generic[T]):
         return f"PendingQueue(order={self.cfg.order.value}, depth={self._live})"
 
     def key(self, uncached: int, arrival: float, seq: int) -> tuple[float, int]:
-        order = self.cfg.order
-        if order is QueueOrder.FCFS:
-            return (arrival, seq)
-        if order is QueueOrder.UNCACHED:
-            return (float(uncached), seq)
-        rate = self.cfg.aging_tokens_per_s
-        return (min(uncached, rate * self.cfg.max_wait_s / 2) + rate * arrival, seq)
+        return (order_key(self.cfg, uncached, arrival), seq)
 
     def full(self) -> bool:
         return self._live >= self.cfg.max_depth

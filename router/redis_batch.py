@@ -51,13 +51,14 @@ def commands(batch: Batch, ops: list[Arg], head: list[Arg], failures: int, open_
 
 def deliver(batch: Batch, results: list, common_of: Callable[[list], Common]) -> None:
     """Hand each call its result: a snapshot (Common, (ticket, matches)), a strict acquire its
-    0/1, a flush []. ``common_of`` decodes the shared rows once for the batch."""
+    0/1, a flush []. ``common_of`` decodes the shared part (the SYNC result: rows, per-request
+    matches, other replicas' queue heads) once for the batch."""
     k = 0
     snap_res: list | None = None
     common: Common | None = None
     if any(mode in (SNAPSHOT, SNAPSHOT_TICKET) for mode, _, _ in batch):
         snap_res = results[0]
-        common = common_of(snap_res[0])
+        common = common_of(snap_res)
         k = 1
     elif not any(mode == STRICT_ACQUIRE for mode, _, _ in batch):
         k = 1

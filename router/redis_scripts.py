@@ -12,6 +12,9 @@ Keys (``ns`` = namespace)::
                               restarted empty): its SYNC and HEARTBEAT calls refuse to run
                               (``LEASELOST``, 0) until it resyncs (``RESYNC`` re-adds it)
     ns:rr               INT   round-robin ticket
+    ns:q:<replica>      HASH  JSON [bucket, model] -> the replica's head waiter's order key (wall
+                              clock); expires (PEXPIRE) unless the replica's calls refresh it
+    ns:wake:<replica>   pub/sub channel: another replica left this one a slot
 """
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
@@ -38,9 +41,10 @@ end
 # ttl, lease_s, max_blocks, mode (0 flush only, 1 snapshots, 3 strict acquire), breaker
 # failures, breaker open_s, k, then k op arguments, then
 #   mode 1: q, then per request: want_ticket (0/1), n, its n block hashes. Returns
-#           {rows, per_request}: rows = {name, spec, reqs, work, down, fails, open} per worker
-#           (other replicas' load), per_request = {ticket, {match, age, match, age, ...}} in
-#           the order of rows;
+#           {rows, per_request, heads}: rows = {name, spec, reqs, work, down, fails, open} per
+#           worker (other replicas' load), per_request = {ticket, {match, age, match, age, ...}}
+#           in the order of rows, heads = {replica, {field, key, ...}, ...} the other replicas'
+#           published queue heads;
 #   mode 3: worker, limit, work, n, then the n hashes: admit only if every replica together
 #           has fewer than limit in flight on the worker; returns 1 or 0.
 # Ops (this replica's changes since its last call):
@@ -48,6 +52,11 @@ end
 #   D w dreqs dwork     a request's counts adjusted (first byte, finished)
 #   C w ok              a circuit-breaker outcome (ok = 1 success, 0 failure)
 #   R w n h1..hn        block hashes recorded while Redis was unreachable
+#   Q ms n f1 k1..fn kn this replica's queue heads (field: JSON [bucket, model], key: its order
+#                       key on wall-clock time) replace ns:q:<me>, which expires after ms
+#                       unless a later call refreshes it (every call carries Q while any wait)
+#   W r                 PUBLISH ns:wake:<r>: a slot replica r is owed is free (after the ops
+#                       above, so r's next snapshot sees it)
 # Counts may go transiently negative (two calls on two connections can be applied out of
 # order); readers clamp the sums at zero. A replica not in ns:replicas gets the error LEASELOST
 # and nothing is applied: its ops are deltas on a load hash that no longer exists.
@@ -80,6 +89,17 @@ while i <= stop do
       redis.call('HSET', ns .. ':cb', 'o:' .. w, tostring(now + cbo))
     end
     i = i + 3
+  elseif op == 'Q' then
+    local hk, n = ns .. ':q:' .. me, tonumber(ARGV[i + 2])
+    redis.call('DEL', hk)
+    if n > 0 then
+      for j = i + 3, i + 1 + 2 * n, 2 do redis.call('HSET', hk, ARGV[j], ARGV[j + 1]) end
+      redis.call('PEXPIRE', hk, ARGV[i + 1])
+    end
+    i = i + 3 + 2 * n
+  elseif op == 'W' then
+    redis.call('PUBLISH', ns .. ':wake:' .. w, me)
+    i = i + 2
   else -- 'R'
     local n = tonumber(ARGV[i + 2])
     if n > 0 then record(w, i + 3, i + 2 + n) end
@@ -89,7 +109,7 @@ end
 if mode == 0 then return {} end
 local stale = redis.call('ZRANGEBYSCORE', ns .. ':replicas', '-inf', now - lease)
 for _, r in ipairs(stale) do
-  redis.call('DEL', ns .. ':load:' .. r)
+  redis.call('DEL', ns .. ':load:' .. r, ns .. ':q:' .. r)
   redis.call('ZREM', ns .. ':replicas', r)
 end
 if mode == 3 then
@@ -105,9 +125,13 @@ if mode == 3 then
   if n > 0 then record(w, stop + 5, stop + 4 + n) end
   return 1
 end
-local others = {}
+local others, heads = {}, {}
 for _, r in ipairs(redis.call('ZRANGE', ns .. ':replicas', 0, -1)) do
-  if r ~= me then others[#others + 1] = ns .. ':load:' .. r end
+  if r ~= me then
+    others[#others + 1] = ns .. ':load:' .. r
+    local h = redis.call('HGETALL', ns .. ':q:' .. r)
+    if #h > 0 then heads[#heads + 1] = r; heads[#heads + 1] = h end
+  end
 end
 local ws = redis.call('HGETALL', ns .. ':workers')
 local rows, names = {}, {}
@@ -146,7 +170,7 @@ for q = 1, tonumber(ARGV[stop + 1]) do
   out[#out + 1] = {ticket, ms}
   j = j + 2 + n
 end
-return {rows, out}
+return {rows, out, heads}
 """
 )
 

@@ -8,7 +8,7 @@ the round-robin ticket. One concurrency model: every method is a coroutine.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.config import WorkerSpec
@@ -74,9 +74,22 @@ class LoadTable:
         return sum(self.reqs.values())
 
 
+@dataclass(frozen=True, slots=True)
+class RivalHead:
+    """Another replica's head waiter of one queue, as it published it: the queue's length bucket
+    and model, and the head's order key on wall-clock time (``queue.order_key``)."""
+
+    replica: str
+    bucket: int
+    model: str | None
+    key: float
+
+
 class RouterState(abc.ABC):
     """Async state backend. ``acquire`` is atomic: check the limit and count the request
     in one step, so concurrent replicas never admit past ``max_inflight``."""
+
+    on_wake: Callable[[], None] | None = None  # called when another replica leaves this one a slot
 
     @property
     def degraded(self) -> bool:
@@ -130,6 +143,17 @@ class RouterState(abc.ABC):
 
     def drop_probe(self, worker: str, token: object) -> None:
         """The probe holding ``token`` ended without an outcome: the next request probes."""
+
+    def publish_heads(self, heads: dict[tuple[int, str | None], float]) -> None:
+        """This replica's head key per waiting (bucket, model) queue, for the other replicas
+        (``rival_heads``). A single replica (memory state) has nobody to tell."""
+
+    def rival_heads(self) -> list[RivalHead]:
+        """The other replicas' published heads, as of this replica's latest state call."""
+        return []
+
+    def wake(self, replica: str) -> None:
+        """Tell ``replica`` that a slot it is owed is free (its ``on_wake`` runs)."""
 
     @abc.abstractmethod
     async def forget_prefixes(self, worker: str) -> None:

@@ -29,6 +29,7 @@ the replica was stopped past its lease and another one dropped its load), the sc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -54,7 +55,7 @@ from router.redis_batch import (
 )
 from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
 from router.resp import Arg, RespClient
-from router.state_base import Lease, RouterState, WorkerState
+from router.state_base import Lease, RivalHead, RouterState, WorkerState
 from router.state_memory import MemoryState
 
 log = logging.getLogger("gcache.router.state")
@@ -73,6 +74,7 @@ class RedisState(RouterState):
         replica_id: str | None = None,
         flush_delay_s: float = 0.005,
         max_connections: int = 64,
+        head_ttl_s: float = 0.5,
     ) -> None:
         self.url = url
         self.shown_url = re.sub(r"//[^@/]*@", "//***@", url)  # for logs: without the password
@@ -80,6 +82,16 @@ class RedisState(RouterState):
         self.ns = namespace
         self.lease_s = lease_s
         self.flush_delay_s = flush_delay_s
+        # queue fairness across replicas: this replica's published queue heads (field -> key),
+        # whether Redis has yet to hear of a change, and the other replicas' heads as last read
+        self.head_ttl_s = head_ttl_s
+        self._heads: dict[str, str] = {}
+        self._heads_dirty = False
+        self._rivals: list[RivalHead] = []
+        self._fields: dict[bytes, tuple[int, str | None]] = {}  # decoded head fields, cached
+        self._listener: asyncio.Task | None = None
+        self.wakes_sent = 0
+        self.wakes_received = 0
         self.replica = replica_id or uuid.uuid4().hex[:12]
         self.local = MemoryState(prefix, breaker=breaker)
         # A bounded pool that waits for a free connection (the default pool fails with "too many
@@ -140,13 +152,19 @@ class RedisState(RouterState):
 
     async def start(self) -> None:
         await self.try_resync()
+        self._listener = self._loop().create_task(self._listen())
 
     async def close(self) -> None:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
         if self._resync_task is not None:
             self._resync_task.cancel()
-        if self._ops and self._up:
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+        if self._heads:
+            self.publish_heads({})  # the other replicas need not wait for them to expire
+        if (self._ops or self._heads_dirty) and self._up:
             await self._call(FLUSH, ())
         await self.fast.close()
         await self.r.aclose()
@@ -231,7 +249,7 @@ class RedisState(RouterState):
         """Send the buffered changes, unless a request sent its batch recently: then they ride on
         the next one, or on this timer's next turn if requests stop (no extra round trip under load)."""
         self._flush_timer = None
-        if not self._ops or not self._up:
+        if not (self._ops or self._heads_dirty) or not self._up:
             return
         loop = self._loop()
         wait = self._last_send + self.flush_delay_s - loop.time()
@@ -255,6 +273,11 @@ class RedisState(RouterState):
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, []
         ops, self._ops = self._ops, []
+        if self._heads or self._heads_dirty:  # every call refreshes them while any wait
+            ops.extend(("Q", int(self.head_ttl_s * 1000), len(self._heads)))
+            for kv in self._heads.items():
+                ops.extend(kv)
+            self._heads_dirty = False
         loop = self._loop()
         if any(mode != FLUSH for mode, _, _ in batch):
             self._last_send = loop.time()
@@ -298,7 +321,9 @@ class RedisState(RouterState):
             return
         deliver(batch, results, self._common)
 
-    def _common(self, rows: list) -> Common:
+    def _common(self, res: list) -> Common:
+        rows = res[0]
+        self._rivals = self._decode_heads(res[2]) if len(res) > 2 and res[2] else []
         out = []
         for i, (name_b, spec_json, reqs, work, down, fails, is_open) in enumerate(rows):
             name = name_b.decode()
@@ -329,8 +354,87 @@ class RedisState(RouterState):
                 n = ops[i + 3]
                 self._missed.append((ops[i + 1], tuple(ops[i + 4 : i + 4 + n])))
                 i += 4 + n
+            elif kind == "Q":
+                self._heads_dirty = True
+                i += 3 + 2 * cast(int, ops[i + 2])
             else:
-                i += {"D": 4, "C": 3}[kind]
+                i += {"D": 4, "C": 3, "W": 2}[kind]
+
+    # -- queue fairness across replicas -------------------------------------------------------
+    def publish_heads(self, heads: dict[tuple[int, str | None], float]) -> None:
+        """Every call this replica makes carries these (``Q``) and refreshes their expiry
+        (``head_ttl_s``) while any wait; a change goes out at once (its own round trip only when
+        no call is under way in this event-loop turn)."""
+        fields = {json.dumps(list(b)): repr(k) for b, k in heads.items()}
+        if fields == self._heads:
+            return
+        self._heads = fields
+        self._heads_dirty = True
+        if self._up:
+            self._loop().call_soon(self._send_now)
+
+    def rival_heads(self) -> list[RivalHead]:
+        return self._rivals if self._up else []
+
+    def wake(self, replica: str) -> None:
+        if not self._up:
+            return
+        self.wakes_sent += 1
+        self._buffer("W", replica)
+        self._loop().call_soon(self._send_now)
+
+    def _send_now(self) -> None:
+        """Send the buffered changes now, unless a call of this turn is about to carry them."""
+        if self._batch or not self._up or not (self._ops or self._heads_dirty):
+            return
+        self.flush_commands += 1
+        self._batch.append((FLUSH, (), self._loop().create_future()))
+        self._loop().call_soon(self._send_batch)
+
+    def _decode_heads(self, flat: list) -> list[RivalHead]:
+        out = []
+        for j in range(0, len(flat), 2):
+            replica = flat[j].decode()
+            kv = flat[j + 1]
+            for f in range(0, len(kv), 2):
+                q = self._fields.get(kv[f])
+                if q is None:
+                    try:
+                        b, m = json.loads(kv[f])
+                        q = (int(b), None if m is None else str(m))
+                    except (ValueError, TypeError):
+                        continue
+                    if len(self._fields) > 10_000:
+                        self._fields.clear()
+                    self._fields[kv[f]] = q
+                try:
+                    out.append(RivalHead(replica, q[0], q[1], float(kv[f + 1])))
+                except ValueError:
+                    continue
+        return out
+
+    async def _listen(self) -> None:
+        """Run ``on_wake`` whenever another replica leaves this one a slot (``ns:wake:<me>``).
+        Reconnects after a failure; until then the admission's poll still finds the slot."""
+        channel = f"{self.ns}:wake:{self.replica}"
+        while True:
+            ps = self.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await ps.subscribe(channel)
+                while True:
+                    msg = await ps.get_message(timeout=1.0)
+                    if msg is not None and msg.get("type") == "message":
+                        self.wakes_received += 1
+                        if self.on_wake is not None:
+                            self.on_wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure: the poll covers until we are back
+                log.debug("wake subscription failed (%s: %s); retrying", type(e).__name__, e)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await ps.aclose()
 
     # -- workers (admin changes: direct calls, not on the request path) ------------------
     async def _admin(self, *calls) -> list | None:

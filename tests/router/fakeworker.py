@@ -5,6 +5,8 @@ Test controls, in the request body (ignored by the router, forwarded byte-exact)
   "fail": 500        answer with that status and a JSON error
   "hold": true       wait until POST /release before answering
   "pad": 100000      add that many bytes to the (non-streamed) answer
+  "ticket": true      wait for one ``tickets.release()`` (the test lets requests finish one at a time)
+  "decode_s": 0.1    take that long (after any hold and prefill) before answering: a workload's service time
   "chunks": 3        with "stream": true, send that many SSE events; between events
                      wait for POST /release when "gate" is true
 Every answer includes the sha256 of the body the worker received.
@@ -38,6 +40,7 @@ class FakeWorker:
         self.served = 0
         self.active = 0
         self.gate = asyncio.Event()
+        self.tickets = asyncio.Semaphore(0)
         self.bodies: list[bytes] = []
 
     def app(self) -> web.Application:
@@ -81,6 +84,8 @@ class FakeWorker:
         try:
             if body.get("hold"):
                 await self.gate.wait()
+            if body.get("ticket"):
+                await self.tickets.acquire()
             text = body.get("prompt") or body.get("text") or json.dumps(body.get("messages"))
             text = text if isinstance(text, str) else json.dumps(text)
             if self.prefill_s_per_token > 0:
@@ -89,6 +94,8 @@ class FakeWorker:
                     await asyncio.sleep(self.prefill_base_s + self.prefill_s_per_token * (len(text) // 4 - cached))
             else:
                 cached = self._cached_tokens(text)
+            if body.get("decode_s"):
+                await asyncio.sleep(float(body["decode_s"]))
             self.served += 1
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
