@@ -101,7 +101,7 @@ class Admission:
                 return got
         # straight to a worker only while nobody waits: a waiting request of any bucket may be
         # the one a free shared (bucket-less) worker owes its next slot to
-        wall = time.time()
+        wall = self.state.wall()
         p, got = await self._try(req, exclude, l3_tokens, take=lambda p: not self.depth(),
                                  key_of=lambda p: order_key(self.cfg.queue, p.uncached_tokens, wall))
         if got is not None:
@@ -267,7 +267,7 @@ class Admission:
         for _ in range(3):  # another replica may take the slot between snapshot and acquire
             snap, ticket = await self.state.route_view(req.hashes, self.policy.name == "round_robin")
             p = plan(self.policy, self.buckets, snap, req.n_tokens, req.n_blocks,
-                     self.cfg.prefix.block_tokens, ticket, req.hashes[-1] if req.hashes else 0, exclude=exclude,
+                     self.cfg.prefix.block_tokens, ticket, req.tie_key, exclude=exclude,
                      model=req.model, exact=self.exact(req) if self.exact is not None else None,
                      l3_tokens=l3_tokens)
             if p.outcome is not Outcome.ROUTED or not take(p):

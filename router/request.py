@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from router.config import PrefixConfig
@@ -47,6 +48,14 @@ class ParsedRequest:
     model: str | None = None
     page_hashes: list[int] = field(default_factory=list)  # pages of the exact index (page_tokens each)
     token_ids: list[int] | None = field(default=None, repr=False)  # when known (given, or tokenized)
+    # a prompt shorter than one block has no hash: it breaks ties between equal workers by a hash
+    # of its whole text / ids instead (else every short prompt went to the same worker)
+    short_key: int = 0
+
+    @property
+    def tie_key(self) -> int:
+        """What breaks ties between equal workers: the last block's hash (one prefix, one worker)."""
+        return self.hashes[-1] if self.hashes else self.short_key
 
     @property
     def n_blocks(self) -> int:
@@ -121,14 +130,22 @@ class _Req:
         if page:
             pages = chain_token_hashes(ids, page)
             k = self.cfg.block_tokens // page
-            return ParsedRequest(pages[k - 1 :: k], len(ids), self.media, self.stream, self.model, pages, ids)
-        return ParsedRequest(chain_token_hashes(ids, self.cfg.block_tokens), len(ids), self.media, self.stream,
-                             self.model)
+            blocks = pages[k - 1 :: k]
+            return ParsedRequest(blocks, len(ids), self.media, self.stream, self.model, pages, ids,
+                                 short_key=0 if blocks else _short_key(np.asarray(ids, dtype=np.int64).tobytes()))
+        hashes = chain_token_hashes(ids, self.cfg.block_tokens)
+        return ParsedRequest(hashes, len(ids), self.media, self.stream, self.model,
+                             short_key=0 if hashes else _short_key(np.asarray(ids, dtype=np.int64).tobytes()))
 
     def from_text(self, text: str) -> ParsedRequest:
         utf8(text, "the prompt")
         hashes = chain_text_hashes(text, self.cfg.block_tokens * self.cfg.chars_per_token)
-        return ParsedRequest(hashes, len(text) // self.cfg.chars_per_token, self.media, self.stream, self.model)
+        return ParsedRequest(hashes, len(text) // self.cfg.chars_per_token, self.media, self.stream, self.model,
+                             short_key=0 if hashes else _short_key(text.encode()))
+
+
+def _short_key(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=2) & ((1 << 63) - 1)
 
 
 def _chat_text(messages: object, tools: object, media: list[str]) -> str:

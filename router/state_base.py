@@ -8,6 +8,7 @@ the round-robin ticket. One concurrency model: every method is a coroutine.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -147,6 +148,11 @@ class RouterState(abc.ABC):
     def publish_heads(self, heads: dict[tuple[int, str | None], float]) -> None:
         """This replica's head key per waiting (bucket, model) queue, for the other replicas
         (``rival_heads``). A single replica (memory state) has nobody to tell."""
+
+    def wall(self) -> float:
+        """Wall-clock seconds that every replica's ``wall`` agrees on (published head keys are
+        compared across replicas): this host's clock here; the Redis backend's is Redis's."""
+        return time.time()
 
     def rival_heads(self) -> list[RivalHead]:
         """The other replicas' published heads, as of this replica's latest state call."""

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from router.state_memory import MemoryState
 
 log = logging.getLogger("gcache.router.state")
 
+CLOCK_RTT_S = 0.05  # a clock sample from a slower round trip is not trusted (its midpoint is too uncertain)
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _NOT_A_REPLICA = "not in its replica set: it restarted empty, or this replica stalled past its lease"
 class RedisState(RouterState):
@@ -100,6 +102,7 @@ class RedisState(RouterState):
             url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, retry_on_timeout=False, decode_responses=False, driver_info=None)
         self.r = aioredis.Redis(connection_pool=pool)
+        self.clock_offset = 0.0  # Redis's clock minus this host's (``wall``)
         self._sync = self.r.register_script(SYNC)
         self._sync_sha = self._sync.sha
         self.fast = RespClient(url, timeout_s)  # the hot command's own pipelined connection
@@ -183,6 +186,7 @@ class RedisState(RouterState):
         if self._up:
             try:
                 if await self._heartbeat(args=[self.ns, self.replica]):
+                    await self._measure_clock()
                     return True
             except _REDIS_ERRORS as e:
                 self._lost(e)
@@ -225,9 +229,26 @@ class RedisState(RouterState):
             return False
         self._ops.clear()  # everything buffered before now is in the local truth just pushed
         self._up = True
+        with contextlib.suppress(*_REDIS_ERRORS):
+            await self._measure_clock()
         self.resyncs += 1
         log.warning("redis reachable at %s; state resynchronised (replica %s)", self.shown_url, self.replica)
         return True
+
+    def wall(self) -> float:
+        """This host's clock corrected to Redis's (``_measure_clock``): the replicas' head keys
+        then compare on one clock, whatever the skew between their hosts (a replica whose clock
+        ran 3 s ahead was owed nothing for 3 s; with more skew than max-wait its requests 503'd)."""
+        return time.time() + self.clock_offset
+
+    async def _measure_clock(self) -> None:
+        """Redis's TIME against this host's clock, at the midpoint of the round trip; a sample
+        whose round trip is slow (more than CLOCK_RTT_S) is not trusted."""
+        t0 = time.time()
+        sec, usec = await self.r.time()
+        t1 = time.time()
+        if t1 - t0 <= CLOCK_RTT_S:
+            self.clock_offset = sec + usec / 1e6 - (t0 + t1) / 2
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The running loop, looked up once (Python 3.11's lookup costs a getpid() system call)."""

@@ -295,3 +295,25 @@ def test_a_batch_is_routed_by_its_longest_prompt_in_every_sglang_form():
                 async with s.post(url + "/generate", json={"text": ["hi", 3]}) as r:
                     assert r.status == 400
     asyncio.run(main())
+
+
+def test_prompts_shorter_than_a_block_spread_over_idle_workers():
+    """A prompt with no full block has no prefix hash, and its tie-break key was 0 for all of
+    them: every short prompt (most chat first turns) went to the same idle worker, on every
+    replica. Now a hash of the whole short prompt breaks the tie (the same one still lands on
+    the same worker)."""
+    async def main():
+        async with fleet(n=4) as (rurl, s, _fakes, _router):
+            seen = []
+            for i in range(40):  # one at a time: every worker idle at each decision
+                async with s.post(rurl + "/v1/completions", json={"prompt": f"hi {i}"}) as r:
+                    assert r.status == 200
+                    seen.append(r.headers["X-Gcache-Worker"])
+            counts = sorted(seen.count(w) for w in set(seen))
+            assert len(counts) == 4 and counts[0] >= 3, counts
+            again = []
+            for _ in range(3):
+                async with s.post(rurl + "/v1/completions", json={"prompt": "hi 7"}) as r:
+                    again.append(r.headers["X-Gcache-Worker"])
+            assert again == [seen[7]] * 3
+    asyncio.run(main())

@@ -167,3 +167,31 @@ def test_a_head_that_never_takes_its_slots_is_ignored_after_the_grace(redis_proc
             finally:
                 await rc.aclose()
     asyncio.run(main())
+
+
+def test_head_keys_are_on_redis_clock_whatever_this_hosts_clock_says(redis_proc, monkeypatch):
+    """Head keys were built on each replica's own time.time(): a replica whose host clock ran
+    3 s ahead was owed nothing for 3 s (p50 3.3 s against 0.33 s), and with more skew than
+    max-wait its queued requests got 503s. A replica's wall clock is now Redis's."""
+    import time as real_time
+    import types
+
+    from router import state_redis
+    from router.config import PrefixConfig
+    from router.state_redis import RedisState
+
+    skewed = types.SimpleNamespace(time=lambda: real_time.time() + 7.0, monotonic=real_time.monotonic)
+    monkeypatch.setattr(state_redis, "time", skewed)
+
+    async def main():
+        st = RedisState(redis_proc.url, PrefixConfig(), namespace="sk")
+        rc = aioredis.Redis.from_url(redis_proc.url)
+        try:
+            await st.start()
+            sec, usec = await rc.time()
+            assert abs(st.wall() - (sec + usec / 1e6)) < 0.5, (st.wall(), sec, st.clock_offset)
+            assert abs(st.clock_offset + 7.0) < 0.5
+        finally:
+            await st.close()
+            await rc.aclose()
+    asyncio.run(main())
