@@ -203,6 +203,15 @@ def test_a_second_daemon_on_the_same_disk_directory_is_refused(make_cluster, tmp
     lines = err.strip().splitlines()
     assert len(lines) == 1 and disk in lines[0] and "another gcache daemon" in lines[0], err
     assert "Traceback" not in err
+    # a lock file deleted while the first runs lost its lock before: the directory is locked
+    for name in os.listdir(disk):
+        if name.endswith(".lock"):
+            os.unlink(os.path.join(disk, name))
+    third = subprocess.run(
+        [sys.executable, "-m", "gcache", "daemon", "--listen", f"127.0.0.1:{free_port()}", "--mem", "16MiB",
+         "--no-pretouch", "--disk", os.path.join(disk, "."), "--disk-size", "16MiB"],
+        capture_output=True, text=True, timeout=60)
+    assert third.returncode == 2 and "another gcache daemon" in third.stderr, (third.returncode, third.stderr)
     # the first daemon is unharmed; once it is gone (even killed) the directory can be used again
     assert c.daemons[0].proc.poll() is None
     c.kill(0, signal.SIGKILL)

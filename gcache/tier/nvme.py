@@ -125,7 +125,7 @@ class NvmeTier:
             self.salt = _load_salt(directory)
         except OSError as exc:
             if hasattr(self, "_lock_fd"):
-                os.close(self._lock_fd)
+                segdir.unlock(self._lock_fd)
             raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
         try:
             self._discard_if_unclean()
@@ -135,7 +135,7 @@ class NvmeTier:
             self._recover()
             _write_state(directory, clean=False)
         except BaseException:
-            os.close(self._lock_fd)
+            segdir.unlock(self._lock_fd)
             raise
 
     def __len__(self) -> int:
@@ -637,7 +637,7 @@ class NvmeTier:
                 _write_state(self.directory, clean=True)
             except OSError as exc:
                 log.error("nvme: cannot record the clean stop in %s: %s", self.directory, exc)
-        os.close(self._lock_fd)  # another daemon may use the directory now
+        segdir.unlock(self._lock_fd)  # another daemon may use the directory now
         self._lock_fd = -1
 
     def _discard_if_unclean(self) -> None:

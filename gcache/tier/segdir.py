@@ -1,10 +1,13 @@
 """The NVMe tier directory's own files: the lock that keeps a second daemon out, and the segment
 map that lets a restart notice a segment that is missing, truncated or already reclaimed.
 
-``tier.lock``: an exclusive ``fcntl.lockf`` lock, held while the tier is open. POSIX locks
-belong to the process: a second process (another daemon) is refused, the kernel drops the lock
-when its holder dies however it dies, and a second tier in the same process is not refused (the
-in-process tests reopen a directory to play a restart after a crash).
+The lock: an exclusive ``flock`` on the directory itself, held while the tier is open. A
+second process (another daemon) is refused; the kernel drops the lock when its holder dies
+however it dies; and no file in the directory can be deleted to lose it (a lock on a
+``tier.lock`` file was: delete the file while the daemon runs, and a second daemon locked a new
+one). A second tier in the same process shares the lock (the in-process tests reopen a
+directory to play a restart after a crash): the process keeps one locked descriptor per
+directory, released when its last tier closes.
 
 ``tier.segs``: the segment map. Its first line is ``FLOOR NEWEST``: segment files with an id
 below FLOOR were reclaimed (a restart ignores and removes them), and every id from FLOOR to
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
 
-LOCK_FILE = "tier.lock"
 MAP_FILE = "tier.segs"
 
 
@@ -33,18 +36,42 @@ class DirectoryInUse(ConfigError):
     """Another process (a gcache daemon) holds the tier directory's lock."""
 
 
+_held: dict[tuple[int, int], list[int]] = {}  # (device, inode) of a directory -> [locked fd, tiers using it]
+_held_lock = threading.Lock()
+
+
 def lock(directory: str) -> int:
-    """Take the directory's lock; the open fd holds it (close it to release). DirectoryInUse if
-    another process holds it."""
-    path = os.path.join(directory, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise DirectoryInUse(f"disk directory {directory!r} is in use by another gcache daemon (it holds "
-                             f"{path}); stop that daemon or give this one another --disk") from None
-    return fd
+    """Take the directory's lock; returns a handle for ``unlock``. DirectoryInUse if another
+    process holds it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    st = os.fstat(fd)
+    ident = (st.st_dev, st.st_ino)
+    with _held_lock:
+        held = _held.get(ident)
+        if held is not None:  # this process has it already (another tier, or one left open)
+            os.close(fd)
+            held[1] += 1
+            return held[0]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise DirectoryInUse(f"disk directory {directory!r} is in use by another gcache daemon (it holds the "
+                                 "directory's lock); stop that daemon or give this one another --disk") from None
+        _held[ident] = [fd, 1]
+        return fd
+
+
+def unlock(handle: int) -> None:
+    """Release what ``lock`` returned: the directory is free once its last tier here closed."""
+    with _held_lock:
+        for ident, held in _held.items():
+            if held[0] == handle:
+                held[1] -= 1
+                if held[1] == 0:
+                    del _held[ident]
+                    os.close(handle)
+                return
 
 
 @dataclass
