@@ -20,7 +20,7 @@ from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
 from gcache.net.address import split_host_port
-from gcache.process import stop_on_signals, write_ready
+from gcache.process import stop_on_signals, wait_for_stop, write_ready
 from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 from gcache.server.admission import AdmissionConfig
 from gcache.server.agent import Agent
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             write_ready(args.ready_file + ".metrics", metrics.address)
     if args.ready_file:
         write_ready(args.ready_file, server.address)
-    stop.wait()
+    wait_for_stop(stop)
     log.info("stopping")
     if agent is not None:
         agent.stop()
