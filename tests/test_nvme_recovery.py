@@ -147,6 +147,127 @@ def test_segments_without_their_segment_map_are_not_trusted(tmp_path):
     t3.close()
 
 
+# -- the open segment's high-water mark ----------------------------------------------------------
+def deleted_in_the_newest_segment(d, overwrite, stop):
+    """K=V1 in segment 1; its tombstone (a delete, or an overwrite with V2) in the newest, open
+    segment, with a few records after it. The tier is stopped cleanly or abandoned (a kill -9).
+    Returns the newest segment's path, the tombstone's offset, the offset of the last record and
+    the segment's size (the high-water mark)."""
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    fill_until_new_segment(t, b"a")
+    seg = t.segments[-1]
+    assert t.append(("ns", b"before"), memoryview(b"B" * 100), 0.0)
+    tomb_off = seg.size
+    seq = t.next_seq()
+    assert t.remove(K, seq)
+    if overwrite:
+        assert t.append(K, memoryview(V2), 0.0, seq=seq)
+    for i in range(3):
+        last_off = seg.size
+        assert t.append(filler(b"z", i), memoryview(b"z" * 300), 0.0)
+    assert t.segments[-1] is seg and not seg.sealed
+    assert readable(t, K) == (V2 if overwrite else None)
+    hwm = seg.size
+    if stop == "clean":
+        t.close()
+    return seg.path, tomb_off, last_off, hwm
+
+
+CUTS = {
+    "mid-tombstone": lambda tomb, last, hwm: tomb + 10,
+    "at-the-tombstone": lambda tomb, last, hwm: tomb,
+    "at-the-last-record": lambda tomb, last, hwm: last,
+    "mid-last-record": lambda tomb, last, hwm: hwm - 10,
+    "one-byte-short": lambda tomb, last, hwm: hwm - 1,
+}
+
+
+@pytest.mark.parametrize("stop", ["crash", "clean"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["delete", "overwrite"])
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_the_newest_segment_cut_below_its_high_water_mark_never_brings_back_the_older_value(
+        tmp_path, cut, overwrite, stop):
+    """The newest segment's size is recorded only once it is sealed; its high-water mark (the
+    end of its last acknowledged record, in tier.hwm) tells a cut tail from a torn append."""
+    d = str(tmp_path / "disk")
+    path, tomb, last, hwm = deleted_in_the_newest_segment(d, overwrite, stop)
+    assert os.path.getsize(path) == hwm
+    os.truncate(path, CUTS[cut](tomb, last, hwm))
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    got = readable(t, K)
+    assert got != V1, f"{cut}: the deleted/overwritten value came back"
+    assert got in ((None, V2) if overwrite else (None,))
+    assert t.append(("ns", b"after"), memoryview(b"A" * 10), 0.0)
+    t.close()
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)  # the next start finds nothing to complain of
+    assert readable(t2, K) in ((None, V2) if overwrite else (None,))
+    assert readable(t2, ("ns", b"after")) == b"A" * 10
+    t2.close()
+
+
+@pytest.mark.parametrize("stop", ["crash", "clean"])
+def test_a_torn_tail_beyond_the_high_water_mark_keeps_everything_before_it(tmp_path, stop):
+    """Records past the high-water mark were in flight at the crash (never acknowledged): a torn
+    one is the normal crash, cut off; every acknowledged record is kept, deletes included."""
+    d = str(tmp_path / "disk")
+    path, _, _, hwm = deleted_in_the_newest_segment(d, False, stop)
+    with open(path, "ab") as f:
+        f.write(R.REC_MAGIC + b"\x01" * 60)
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t, K) is None
+    assert readable(t, ("ns", b"before")) == b"B" * 100
+    assert all(readable(t, filler(b"z", i)) == b"z" * 300 for i in range(3))
+    assert all(readable(t, filler(b"a", i)) == b"f" * 20 * KB for i in range(2))
+    assert os.path.getsize(path) == hwm  # the torn bytes are cut off
+    t.close()
+
+
+def test_a_torn_append_in_flight_at_a_kill_keeps_every_acknowledged_record(tmp_path):
+    """A write reserved and half done when the process dies (not acknowledged: the mark is not
+    past it) is a torn tail; the values and the delete acknowledged before it are all kept."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    older = fill_until_new_segment(t, b"a")
+    assert t.remove(K)
+    assert t.append(("ns", b"last"), memoryview(b"L" * 100), 0.0)
+    p = t.prepare(("ns", b"in-flight"), 5000, 0.0, t.next_seq())
+    assert p is not None
+    parts = R.pack(R.KIND_VALUE, p.key, p.loc.seq, 5000, 0.0, 0, p.raw, t.salt)
+    os.pwritev(p.seg.fd, [*parts, b"x" * 100], p.off)  # the kill comes mid-write
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) is None and readable(t2, ("ns", b"last")) == b"L" * 100
+    assert all(readable(t2, k) == b"f" * 20 * KB for k in older)
+    assert readable(t2, ("ns", b"in-flight")) is None
+    t2.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "garbled", "empty"])
+def test_segments_without_a_readable_high_water_mark_are_not_trusted(tmp_path, how):
+    """Without the newest segment's high-water mark a cut tail cannot be noticed: nothing is
+    recovered (as without the segment map)."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert t.append(K, memoryview(V1), 0.0)
+    t.close()
+    path = os.path.join(d, nvme_mod.HWM_FILE)
+    assert os.path.exists(path)
+    if how == "removed":
+        os.unlink(path)
+    elif how == "garbled":
+        flip(path, 12, 4)
+    else:
+        os.truncate(path, 0)
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) is None
+    assert t2.append(K, memoryview(V2), 0.0)
+    t2.close()
+    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t3, K) == V2
+    t3.close()
+
+
 # -- reclaim against a crash ----------------------------------------------------------------------
 def put_unswept(t, k, v):
     """append() without its sweep(): the files of segments the reservation reclaimed stay."""
