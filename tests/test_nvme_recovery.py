@@ -24,6 +24,18 @@ V1, V2 = b"v1" * 500, b"v2" * 500
 SEG = 64 * KB
 
 
+def nothing_trusted_then_usable(d):
+    """The directory's old values are not trusted (K is a miss), and a new one written there
+    survives a clean restart."""
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, K) is None
+    assert t2.append(K, memoryview(V2), 0.0)
+    t2.close()
+    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t3, K) == V2
+    t3.close()
+
+
 def filler(tag, i):
     return ("ns", b"%s-%03d" % (tag, i))
 
@@ -138,13 +150,7 @@ def test_segments_without_their_segment_map_are_not_trusted(tmp_path):
     assert names
     for n in names:
         os.unlink(os.path.join(d, n))
-    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
-    assert readable(t2, K) is None
-    assert t2.append(K, memoryview(V2), 0.0)
-    t2.close()
-    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
-    assert readable(t3, K) == V2
-    t3.close()
+    nothing_trusted_then_usable(d)
 
 
 # -- the open segment's high-water mark ----------------------------------------------------------
@@ -259,13 +265,7 @@ def test_segments_without_a_readable_high_water_mark_are_not_trusted(tmp_path, h
         flip(path, 12, 4)
     else:
         os.truncate(path, 0)
-    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
-    assert readable(t2, K) is None
-    assert t2.append(K, memoryview(V2), 0.0)
-    t2.close()
-    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
-    assert readable(t3, K) == V2
-    t3.close()
+    nothing_trusted_then_usable(d)
 
 
 # -- reclaim against a crash ----------------------------------------------------------------------
