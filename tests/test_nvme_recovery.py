@@ -13,6 +13,7 @@ import pytest
 import gcache.tier.nvme as nvme_mod
 from gcache.cluster import free_port
 from gcache.tier import records as R
+from gcache.tier import segdir
 from gcache.tier.nvme import NvmeTier
 from tests.conftest import poll
 from tests.test_nvme_full_disk import readable
@@ -257,7 +258,7 @@ def test_segments_without_a_readable_high_water_mark_are_not_trusted(tmp_path, h
     t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
     assert t.append(K, memoryview(V1), 0.0)
     t.close()
-    path = os.path.join(d, nvme_mod.HWM_FILE)
+    path = os.path.join(d, segdir.HWM_FILE)
     assert os.path.exists(path)
     if how == "removed":
         os.unlink(path)

@@ -29,12 +29,9 @@ goes to a new one.
 On restart the index is rebuilt by scanning every segment (resynchronising past damage); for
 each key the highest sequence number wins, whatever segment or position it is in.
 
-A sealed segment's size is in the segment map (gcache.tier.segdir); the open one's is not, so
-its high-water mark is kept in ``tier.hwm``: (segment id, offset up to which every appended
-record is complete), a small file mapped into memory and updated with a plain store after each
-append and before it is acknowledged (no system call: a process crash keeps the page cache). A
-restart that finds the open segment's records ending below the mark takes it as damage (a
-tombstone may have been cut off), not as the torn append of a crash.
+A sealed segment's size is in the segment map, the open one's high-water mark in ``tier.hwm``
+(both gcache.tier.segdir): a restart that finds the open segment's records ending below the mark
+takes it as damage (a tombstone may have been cut off), not as the torn append of a crash.
 """
 
 from __future__ import annotations
@@ -42,12 +39,10 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import mmap
 import os
 import re
 import resource
 import secrets
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,9 +59,6 @@ log = logging.getLogger(__name__)
 
 SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 SALT_FILE = "tier.id"
-HWM_FILE = "tier.hwm"
-HWM = struct.Struct("<4s4xQQQ")  # magic, segment id, offset, xxh3 of the rest (seeded with the salt)
-HWM_MAGIC = b"GCH1"
 ERROR_LOG_EVERY_S = 10.0
 
 Key = tuple[str, bytes]
@@ -131,13 +123,11 @@ class NvmeTier:
         self._last_seg_id = 0  # never reused: a reclaimed segment's file may not be removed yet
         self._last_error_log = 0.0
         self._errors_unlogged = 0
-        self._hwm: mmap.mmap | None = None
-        self._hwm_seg = 0  # what tier.hwm says: records of segment _hwm_seg are complete up to _hwm_off
-        self._hwm_off = 0
         try:
             os.makedirs(directory, exist_ok=True)
             self._lock_fd = segdir.lock(directory)  # before anything in it is read or changed
             self.salt = _load_salt(directory)
+            self._hwm = segdir.HighWater(directory, self.salt)
         except OSError as exc:
             if hasattr(self, "_lock_fd"):
                 segdir.unlock(self._lock_fd)
@@ -148,10 +138,10 @@ class NvmeTier:
             # incarnations, with these segments (the agent's record; None: none)
             self.recovered_routing = _read_routing(directory)
             self._recover()
-            self._hwm_open()
+            self._hwm.open(self._last_seg_id)  # every recovered segment is sealed, its size in the map
             _write_state(directory, clean=False)
         except BaseException:
-            self._hwm_close()
+            self._hwm.close()
             segdir.unlock(self._lock_fd)
             raise
 
@@ -332,8 +322,8 @@ class NvmeTier:
             if not ok:
                 self.write_errors += 1
                 self._roll_back(p, too_big, full, written)
-            elif seg.seg_id == self._hwm_seg and p.off + p.total > self._hwm_off:
-                self._set_hwm(seg.seg_id, p.off + p.total)  # before the write is acknowledged
+            elif seg.seg_id == self._hwm.seg and p.off + p.total > self._hwm.off:
+                self._hwm.set(seg.seg_id, p.off + p.total)  # before the write is acknowledged
             self._deref(seg)
         return ok
 
@@ -427,44 +417,8 @@ class NvmeTier:
         seg = Segment(seg_id, path, fd)
         self.segments.append(seg)
         self._save_map()
-        self._set_hwm(seg_id, 0)  # (after the map: the segment sealed before it has its size there)
+        self._hwm.set(seg_id, 0)  # (after the map: the segment sealed before it has its size there)
         return seg
-
-    # -- the open segment's high-water mark -----------------------------------------------
-    def _set_hwm(self, seg_id: int, off: int) -> None:
-        """Lock held: record that ``seg_id``'s records are complete up to ``off`` (a memory store)."""
-        self._hwm_seg, self._hwm_off = seg_id, off
-        if self._hwm is not None:
-            self._hwm[: HWM.size] = _hwm_encode(seg_id, off, self.salt)
-
-    def _hwm_open(self) -> None:
-        """At start, after recovery (every recovered segment is sealed, its size in the map): a
-        fresh tier.hwm (written atomically: a crash leaves the old one or the new), mapped."""
-        self._hwm_seg, self._hwm_off = self._last_seg_id, 0
-        path = os.path.join(self.directory, HWM_FILE)
-        with open(path + ".tmp", "wb") as f:
-            f.write(_hwm_encode(self._hwm_seg, self._hwm_off, self.salt))
-        os.replace(path + ".tmp", path)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._hwm = mmap.mmap(fd, HWM.size)
-        finally:
-            os.close(fd)
-
-    def _hwm_close(self, sync: bool = False) -> bool:
-        """Unmap tier.hwm; ``sync``: write it to disk first (a clean stop). False if that failed."""
-        mm, self._hwm = self._hwm, None
-        if mm is None:
-            return True
-        ok = True
-        try:
-            if sync:
-                mm.flush()
-        except OSError as exc:
-            ok = False
-            log.error("nvme: cannot sync %s: %s", os.path.join(self.directory, HWM_FILE), exc)
-        mm.close()
-        return ok
 
     def _seg_path(self, seg_id: int) -> str:
         return os.path.join(self.directory, f"seg-{seg_id:08d}.log")
@@ -582,10 +536,10 @@ class NvmeTier:
             log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
                         d, segdir.MAP_FILE)
             cut = (ids[-1], math.inf)
-        hwm = _load_hwm(d, self.salt)
+        hwm = self._hwm.load()
         if hwm is None and ids:
             log.warning("nvme: %s holds segments but no readable high-water mark (%s): none of them can be trusted",
-                        d, HWM_FILE)
+                        d, segdir.HWM_FILE)
             cut = max(cut, (ids[-1], math.inf))
         hwm_seg, hwm_off = hwm if hwm is not None and hwm[0] >= floor else (0, 0)  # (below: reclaimed)
         self._last_seg_id = max(self._last_seg_id, hwm_seg)
@@ -698,7 +652,7 @@ class NvmeTier:
                     synced = False
                     log.error("nvme: cannot sync %s: %s", seg.path, exc)
             synced = self._save_map(durable=True) and synced  # the sealed sizes as they are now
-            synced = self._hwm_close(sync=True) and synced  # the open segment's
+            synced = self._hwm.close(sync=True) and synced  # the open segment's
             for seg in self.segments:
                 seg.doomed = True
                 if seg.refs == 0:
@@ -729,25 +683,6 @@ class NvmeTier:
         segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest))  # every one reclaimed, then removed
         for n in names:
             os.unlink(os.path.join(self.directory, n))
-
-
-def _hwm_encode(seg_id: int, off: int, salt: int) -> bytes:
-    return HWM.pack(HWM_MAGIC, seg_id, off, xxhash.xxh3_64_intdigest(struct.pack("<QQ", seg_id, off), seed=salt))
-
-
-def _load_hwm(directory: str, salt: int) -> tuple[int, int] | None:
-    """tier.hwm's (segment id, offset); None if it is missing or does not verify."""
-    try:
-        with open(os.path.join(directory, HWM_FILE), "rb") as f:
-            data = f.read(HWM.size)
-    except OSError:
-        return None
-    if len(data) != HWM.size:
-        return None
-    magic, seg_id, off, chk = HWM.unpack(data)
-    if magic != HWM_MAGIC or chk != xxhash.xxh3_64_intdigest(struct.pack("<QQ", seg_id, off), seed=salt):
-        return None
-    return seg_id, off
 
 
 def _over_file_limit(end: int) -> bool:

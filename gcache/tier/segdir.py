@@ -1,5 +1,6 @@
-"""The NVMe tier directory's own files: the lock that keeps a second daemon out, and the segment
-map that lets a restart notice a segment that is missing, truncated or already reclaimed.
+"""The NVMe tier directory's own files: the lock that keeps a second daemon out, the segment
+map that lets a restart notice a segment that is missing, truncated or already reclaimed, and
+the open segment's high-water mark.
 
 The lock: an exclusive ``flock`` on the directory itself, held while the tier is open. A
 second process (another daemon) is refused; the kernel drops the lock when its holder dies
@@ -18,18 +19,35 @@ has to survive a process crash, which the page cache does; after a machine crash
 nothing unless it was stopped cleanly (gcache.tier.nvme), and a clean stop writes it durably
 (fsync of the file and of the directory). An fsync while running would be taken under the
 store's lock, and on a busy disk one can take as long as flushing every dirty segment page.
+
+``tier.hwm``: the open segment's high-water mark (segment id, offset up to which every appended
+record is complete, a checksum seeded with the tier's salt). A sealed segment's size is in the
+map; the open one's is not, so this small file, mapped into memory, is updated with a plain
+store after each append and before it is acknowledged (no system call: a process crash keeps the
+page cache). A restart that finds the open segment's records ending below the mark takes it as
+damage (a tombstone may have been cut off), not as the torn append of a crash.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
+import mmap
 import os
+import struct
 import threading
 from dataclasses import dataclass, field
 
+import xxhash
+
 from gcache.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 MAP_FILE = "tier.segs"
+HWM_FILE = "tier.hwm"
+HWM = struct.Struct("<4s4xQQQ")  # magic, segment id, offset, xxh3 of the rest (seeded with the salt)
+HWM_MAGIC = b"GCH1"
 
 
 class DirectoryInUse(ConfigError):
@@ -124,3 +142,66 @@ def write_atomically(directory: str, name: str, text: str, durable: bool = True)
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+class HighWater:
+    """tier.hwm, mapped: records of segment ``seg`` are complete up to ``off``."""
+
+    def __init__(self, directory: str, salt: int) -> None:
+        self.path = os.path.join(directory, HWM_FILE)
+        self.salt = salt
+        self.seg = 0
+        self.off = 0
+        self._mm: mmap.mmap | None = None
+
+    def load(self) -> tuple[int, int] | None:
+        """What the file says (segment id, offset); None if it is missing or does not verify."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(HWM.size)
+        except OSError:
+            return None
+        if len(data) != HWM.size:
+            return None
+        _, seg_id, off, _ = HWM.unpack(data)
+        if data != self._encode(seg_id, off):  # the magic, the padding and the checksum
+            return None
+        return seg_id, off
+
+    def open(self, seg_id: int) -> None:
+        """A fresh mark (segment ``seg_id``, offset 0), written atomically (a crash leaves the old
+        file or the new), then mapped."""
+        self.seg, self.off = seg_id, 0
+        with open(self.path + ".tmp", "wb") as f:
+            f.write(self._encode(seg_id, 0))
+        os.replace(self.path + ".tmp", self.path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, HWM.size)
+        finally:
+            os.close(fd)
+
+    def set(self, seg_id: int, off: int) -> None:
+        """The caller's lock held: a memory store (nothing if not open)."""
+        self.seg, self.off = seg_id, off
+        if self._mm is not None:
+            self._mm[: HWM.size] = self._encode(seg_id, off)
+
+    def close(self, sync: bool = False) -> bool:
+        """Unmap; ``sync``: write it to disk first (a clean stop). False if that failed."""
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return True
+        ok = True
+        try:
+            if sync:
+                mm.flush()
+        except OSError as exc:
+            ok = False
+            log.error("nvme: cannot sync %s: %s", self.path, exc)
+        mm.close()
+        return ok
+
+    def _encode(self, seg_id: int, off: int) -> bytes:
+        chk = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seg_id, off), seed=self.salt)
+        return HWM.pack(HWM_MAGIC, seg_id, off, chk)
