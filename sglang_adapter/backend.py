@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost, MHAToken
 from gcache.client import Client
 from gcache.client.client import OnNodeError
 from gcache.errors import GCacheError
-from gcache.protocol import Status
+from gcache.protocol import MAX_KEY_BYTES, Status
 from gcache.ratelog import RateLimitedLog
 from sglang_adapter.config import AdapterConfig, write_deadlines
 from sglang_adapter.failures import report_owner_failure
@@ -66,6 +66,13 @@ _RANK_SHARDED_POOLS = (MHATokenToKVPoolHost, MHATokenToKOnlyPoolHost, MambaPoolH
 
 def _name(pool: Any) -> str:
     return str(getattr(pool, "value", pool))
+
+
+def _nbytes(buf: Any) -> int:
+    """Byte size of a tensor or any buffer."""
+    if isinstance(buf, torch.Tensor):
+        return buf.numel() * buf.element_size()
+    return memoryview(buf).nbytes
 
 
 def _base(extra_info: HiCacheStorageExtraInfo | None) -> int:
@@ -132,7 +139,15 @@ class GCacheStorage(HiCacheStorage):
         """gcache keys of pages of the registered host pool ``name``: shard and byte format
         included, so a pool of another layout, dtype or page size never reads these pages."""
         _, fmt, rank_sharded = self._layout(name)
-        return self.scheme.keys(list(page_hashes), name, fmt, rank_sharded)
+        return self._checked(self.scheme.keys(list(page_hashes), name, fmt, rank_sharded))
+
+    def _checked(self, keys: list[bytes]) -> list[bytes]:
+        """``keys``, saying (a line a minute) when one is too long to store: its page is a miss."""
+        if keys and max(map(len, keys)) > MAX_KEY_BYTES:
+            self._limited.warning("key", "gcache storage: page keys of up to %d bytes exceed gcache's %d (page "
+                                  "hashes of %d characters?): those pages are never stored or found",
+                                  max(map(len, keys)), MAX_KEY_BYTES, max(len(k.partition(b".")[0]) for k in keys))
+        return keys
 
     def _format(self, name: str) -> str:
         """The page format of the registered host pool ``name`` (pages.pool_format)."""
@@ -292,9 +307,12 @@ class GCacheStorage(HiCacheStorage):
         try:
             if target_locations is None or any(t is None for t in target_locations):
                 return [None] * len(keys)
-            gkeys = [self._tensor_key(k, t) for k, t in zip(keys, target_locations)]
+            gkeys = self._checked([self._tensor_key(k, t) for k, t in zip(keys, target_locations)])
             res = self.client.get_into(gkeys, list(target_locations))
-            return [t if st is Status.OK else None for t, st in zip(target_locations, res.status)]
+            # a value of another size under the key (another writer) is a miss, never a
+            # partly filled tensor
+            return [t if st is Status.OK and n == _nbytes(t) else None
+                    for t, st, n in zip(target_locations, res.status, res.sizes)]
         except Exception:
             log.exception("gcache batch_get failed")
             return [None] * len(keys)
@@ -306,7 +324,8 @@ class GCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         try:
             vals = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-            st = self.client.put([self._tensor_key(k, v) for k, v in zip(keys, vals)], vals, pool=self._tag(KV))
+            st = self.client.put(self._checked([self._tensor_key(k, v) for k, v in zip(keys, vals)]), vals,
+                                 pool=self._tag(KV))
             return all(s is Status.OK for s in st)
         except Exception:
             log.exception("gcache batch_set failed")
@@ -333,7 +352,7 @@ class GCacheStorage(HiCacheStorage):
             page = pool.get_dummy_flat_data_page()
             self._flat = (pool, type(page).__name__, str(page.dtype), list(page.shape))
         _, kind, dtype, shape = self._flat
-        return [self._legacy_key(h, kind, dtype, shape) for h in page_hashes]
+        return self._checked([self._legacy_key(h, kind, dtype, shape) for h in page_hashes])
 
     def clear(self) -> bool:
         """Delete every page of this adapter's namespace on every daemon (SGLang's

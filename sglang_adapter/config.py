@@ -22,19 +22,18 @@ Keys SGLang itself reads from the same object are accepted and ignored here: the
 (``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token``),
 ``hicache_storage_pass_prefix_keys`` and ``tp_lcm_size``. Any other key is refused with an error
 naming the known ones (a misspelt "namespace" would otherwise share the default namespace).
-``timeout_s`` and ``connect_timeout_s`` are finite numbers of seconds > 0 (not true/false).
+``timeout_s`` and ``connect_timeout_s`` are numbers of seconds > 0 and at most a day (not true/false).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gcache.client.config import LocalPath
+from gcache.client.config import MAX_TIMEOUT_S, LocalPath, timeout_error
 from gcache.env import resolve_cluster, resolve_token
 from gcache.errors import ConfigError
 
@@ -50,8 +49,9 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "pre
 
 def finite_seconds(value: Any) -> bool:
     """Whether ``value`` is a number of seconds a deadline can be made of: an int or a float (not
-    a bool), finite and > 0 (inf overflows every wait; NaN compares false with everything)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+    a bool), > 0 and at most the client's MAX_TIMEOUT_S (inf, or ~25 days, overflows every wait;
+    NaN compares false with everything)."""
+    return timeout_error("", value) is None
 
 
 def write_deadlines(timeout_s: float) -> tuple[float, float]:
@@ -83,7 +83,8 @@ class AdapterConfig:
                               "gcache://masters) or $GCACHE_MASTERS / $GCACHE_NODES")
         for name in ("timeout_s", "connect_timeout_s"):
             if not finite_seconds(getattr(self, name)):
-                raise ConfigError(f"gcache adapter: {name!r} must be a finite number of seconds > 0, "
+                raise ConfigError(f"gcache adapter: {name!r} must be a finite number of seconds > 0 "
+                                  f"and at most {MAX_TIMEOUT_S:g}, "
                                   f"got {getattr(self, name)!r}")
 
     def target(self) -> str | list[str]:
@@ -112,6 +113,8 @@ class AdapterConfig:
         masters = extra.get("masters")
         if masters is not None and not isinstance(masters, str):
             raise ConfigError(f"gcache adapter: 'masters' must be a gcache:// URL, got {masters!r}")
+        if nodes and masters:  # (one would be ignored: say so instead)
+            raise ConfigError("gcache adapter: give 'nodes' or 'masters', not both")
         try:
             target = resolve_cluster(nodes or None, masters)
         except ConfigError as exc:

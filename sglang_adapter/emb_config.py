@@ -38,6 +38,7 @@ from typing import Any
 import xxhash
 
 from gcache.client.client import LocalPath
+from gcache.client.config import MAX_TIMEOUT_S
 from gcache.env import resolve_token
 from gcache.errors import ConfigError
 from sglang_adapter.config import finite_seconds
@@ -100,7 +101,8 @@ class EmbeddingStoreConfig:
             raise ConfigError(f"gcache embedding store: model name longer than {_MAX_MODEL_BYTES} bytes")
         for name in ("timeout_s", "connect_timeout_s"):
             if not finite_seconds(getattr(self, name)):
-                raise ConfigError(f"gcache embedding store: {name!r} must be a finite number of seconds > 0, "
+                raise ConfigError(f"gcache embedding store: {name!r} must be a finite number of seconds > 0 "
+                                  f"and at most {MAX_TIMEOUT_S:g}, "
                                   f"got {getattr(self, name)!r}")
         if not self.pool:
             raise ConfigError("gcache embedding store: 'pool' must not be empty")

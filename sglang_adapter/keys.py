@@ -3,9 +3,10 @@
 SGLang page keys are chained SHA-256 hex digests of the page tokens. A stored object is one
 page of one host pool on one shard in one byte format: ``{page_hash}.{pool}@{shard}#{format}``.
 
-* The shard names the model (``%``, ``/`` and ``_`` percent-encoded: ``a/b-c`` and ``a-b/c`` stay
-  two names, and the first ``_`` of a shard always ends the name, so a model called
-  ``org/m_pp0of2`` is never taken for ``org/m`` at pipeline stage 0 of 2), the TP rank and size
+* The shard names the model (``%``, ``/``, ``_`` and ``~`` percent-encoded: ``a/b-c`` and ``a-b/c``
+  stay two names, and the first ``_`` of a shard always ends the name, so a model called
+  ``org/m_pp0of2`` is never taken for ``org/m`` at pipeline stage 0 of 2; a name too long for
+  a key is shortened with a digest), the TP rank and size
   (MLA models keep one copy shared by every rank, so their KV and its replicated side pools
   omit the rank; a Mamba pool, or an MHA draft pool, holds per-rank bytes and keeps it;
   KeyScheme.rank_sharded), the
@@ -52,11 +53,22 @@ def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer
     return xxhash.xxh3_64_hexdigest(desc.encode())
 
 
+#: longest model name kept as it is in a key; a longer one (keys are at most
+#: gcache.protocol.MAX_KEY_BYTES) is shortened to its first MODEL_HEAD bytes, ``~`` and a digest
+MODEL_NAME_MAX = 200
+MODEL_HEAD = 64
+
+
 def model_name(name: str) -> str:
-    """A model name as a key part: ``%``, ``/`` and ``_`` percent-encoded (reversible, so two
-    names never meet; without ``_`` the name never runs into the shard's ``_tp``/``_pp``/...
-    fields after it)."""
-    return name.replace("%", "%25").replace("/", "%2F").replace("_", "%5F")
+    """A model name as a key part: ``%``, ``/``, ``_`` and ``~`` percent-encoded (reversible, so
+    two names never meet; without ``_`` the name never runs into the shard's ``_tp``/``_pp``/...
+    fields after it). A name longer than MODEL_NAME_MAX becomes its head, ``~`` and a 128-bit
+    digest of the whole name (``~`` appears in no encoded name, so no short name meets it)."""
+    enc = name.replace("%", "%25").replace("/", "%2F").replace("_", "%5F").replace("~", "%7E")
+    if len(enc.encode()) <= MODEL_NAME_MAX:
+        return enc
+    head = enc.encode()[:MODEL_HEAD].decode(errors="ignore")
+    return f"{head}~{xxhash.xxh3_128_hexdigest(name.encode())}"
 
 
 #: pools whose pages each TP rank holds its own part of even in an MLA model (SGLang backs them

@@ -176,17 +176,27 @@ def test_on_failure_hears_each_failed_owner_when_failures_are_misses():
     assert len(seen) == 2 and all(down in str(e) for e in seen), seen
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 0, -1.0])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 0, -1.0, 86400.5, 2.2e6])
 @pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
 def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_a_clear_config_error(name, value):
     """A probe: ClientConfig(timeout_s=inf) was accepted and then every call raised OverflowError
-    from poll() in gcache.net.stream (NaN never ends a wait either)."""
+    from poll() in gcache.net.stream (NaN never ends a wait either); so did 2.2e6 s (poll's
+    milliseconds overflow a C int past ~24.8 days): at most a day is accepted."""
     from gcache.client.config import ClientConfig
 
     with pytest.raises(ConfigError, match=f"{name} must be a finite number of seconds > 0"):
         ClientConfig(**{name: value})
     with pytest.raises(ConfigError, match=name):
         Client(["127.0.0.1:1"], **{name: value})
+
+
+@pytest.mark.parametrize("nodes", [["127.0.0.1:99999"], ["127.0.0.1:0"], ["127.0.0.1:7400,127.0.0.1:7401"],
+                                   ["127.0.0.1:"], ["127.0.0.1:x"]])
+def test_a_node_address_that_cannot_be_connected_to_is_refused_up_front(nodes):
+    """A probe: port 99999, port 0 and two addresses in one list element were accepted; every
+    call then failed (the SGLang adapter ran on with every page a miss)."""
+    with pytest.raises(ConfigError, match="is not HOST:PORT"):
+        Client(nodes)
 
 
 def test_a_deadline_shorter_than_timeout_s_ends_the_call_and_a_bad_one_is_refused(make_cluster):

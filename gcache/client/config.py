@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,18 @@ class OnNodeError(enum.Enum):
 
     RAISE = "raise"
     MISS = "miss"
+
+
+#: the longest timeout a client accepts (a day: poll() and select() take at most ~24.8 days)
+MAX_TIMEOUT_S = 86400.0
+
+
+def timeout_error(name: str, value: object) -> str | None:
+    """Why ``value`` is not a timeout in seconds (None if it is one): a number, not a bool, > 0
+    and at most MAX_TIMEOUT_S (inf and huge values overflow every wait; NaN never compares)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        return f"{name} must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {value!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,10 +76,9 @@ class ClientConfig:
         if err:
             raise ConfigError(err)
         for name in ("timeout_s", "connect_timeout_s"):
-            value = getattr(self, name)
-            # bool is an int; inf overflows every wait (poll, select) and NaN never compares
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+            err = timeout_error(name, getattr(self, name))
+            if err:
+                raise ConfigError(err)
         if self.split_bytes < 1 or self.split_keys < 1:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         if self.max_idle_per_node < 0:

@@ -25,6 +25,7 @@ from gcache.client.pool import Pool
 from gcache.client.routing import RoutingView
 from gcache.errors import CallTimeout, ConnectionFailed, GCacheError, ServerError
 from gcache.meta.ring import HashRing
+from gcache.net.stream import MAX_POLL_S
 from gcache.protocol import MAX_KEY_BYTES, Op, Status
 from gcache.transport import Connection
 
@@ -255,7 +256,7 @@ class Fanout:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            ready = poller.poll(1000 * (remaining if idle is None else min(remaining, LOCAL_WAIT_S)))
+            ready = poller.poll(1000 * min(remaining, MAX_POLL_S if idle is None else LOCAL_WAIT_S))
             if not ready and idle is not None:
                 idle()
             for fd, _ev in ready:

@@ -30,8 +30,8 @@ class Node:
 
     def __post_init__(self) -> None:
         host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"node {self.node_id!r}: address {self.address!r} is not HOST:PORT")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535 or any(c in host for c in ", \t"):
+            raise ConfigError(f"node {self.node_id!r}: address {self.address!r} is not HOST:PORT (a port 1-65535)")
         if not self.weight > 0:
             raise ConfigError(f"node {self.node_id!r}: weight must be > 0")
 

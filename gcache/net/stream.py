@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut down or closed its end (Linux)
 LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
+MAX_POLL_S = 3600.0  # one poll() waits at most this long (its millisecond argument is a C int); longer waits loop
 
 Buffer = bytes | bytearray | memoryview
 
@@ -173,9 +174,12 @@ class PolledSocketStream(SocketStream):
         return f"PolledSocketStream({self.peer()})"
 
     def _wait(self, poller: Any) -> None:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0 or not poller.poll(remaining * 1000.0):
-            raise TimeoutError("timed out")
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out")
+            if poller.poll(min(remaining, MAX_POLL_S) * 1000.0):  # (poll takes at most ~24.8 days)
+                return
 
     def _polled(self, poller: Any, call: Any, *args: Any) -> Any:
         """``call(*args)`` on the non-blocking socket, waiting with ``poller`` (until the

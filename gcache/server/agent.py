@@ -232,6 +232,8 @@ class Agent:
         """Register a new incarnation. A daemon that had one (it was declared down or forgotten)
         drops everything first; a fresh process keeps its recovered data only if the previous
         incarnation still owned its ranges."""
+        if self._drained_away():
+            return
         self._registered.clear()
         self.mode = Mode.REGISTERING
         rejoin = self.inc > 0
@@ -268,6 +270,22 @@ class Agent:
         self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
+
+    def _drained_away(self) -> bool:
+        """Whether this node was draining by the last membership it applied: then a master that
+        no longer knows it, or no longer lists this incarnation, means the drain completed (its
+        handover report was taken and the node removed), and it has left; registering again
+        would bring back an empty member the operator took out (seen: the heartbeat's "unknown
+        node" arrived before the handover loop marked the node left, and the node came back as
+        incarnation 1 of a new member, took a third of the ring, and fenced every request)."""
+        m = self.membership
+        me = next((n for n in m.nodes if n.node_id == self.node_id), None) if m is not None else None
+        if me is None or me.state.value != "draining":
+            return False
+        if not self.left:
+            self.left = True
+            log.info("drained: the masters no longer list this incarnation; this node has left the cluster")
+        return True
 
     def _leader_epoch(self, epoch: int) -> None:
         """The leader says ``epoch`` is the newest: an epoch beyond it that a peer or client named
@@ -395,6 +413,8 @@ class Agent:
         verdict, lead = judge(replies)
         if verdict is Verdict.REJOIN:
             assert lead is not None
+            if self._drained_away():
+                return
             log.warning("the master leader says %s; registering again", lead.get("reason", "?"))
             self._register()
             return
@@ -420,6 +440,8 @@ class Agent:
                 return
             me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
             if me is None or me["inc"] != self.inc or me["state"] == "down":
+                if self._drained_away():
+                    return
                 log.warning("membership epoch %d no longer lists this incarnation as live; registering again",
                             m["epoch"])
                 self._register()

@@ -214,6 +214,48 @@ def test_legacy_tensor_path_keys_carry_dtype_and_shape(adapter_cluster):
     s.close()
 
 
+def test_a_legacy_get_of_a_value_of_another_size_is_a_miss_not_a_partly_filled_tensor(adapter_cluster):
+    """Found by a probe: the legacy batch_get took any stored value under the key for a hit, so a
+    shorter one (another writer in the namespace) left the tensor's tail as it was and SGLang
+    would have used it as KV. The zero-copy path already compared sizes."""
+    import torch
+
+    s = make_storage(adapter_cluster.addresses)
+    val = torch.rand(4, 8, dtype=torch.float32)
+    assert s.batch_set(["leg-short"], [val]) is True
+    key = s._tensor_key("leg-short", val)
+    for size in (val.numel() * 4 - 64, 0):  # another writer, in the adapter's namespace and pool
+        assert s.client.put([key], [bytes(size)], pool="kv")[0].name == "OK"
+        out = torch.full((4, 8), -7.0)
+        assert s.batch_get(["leg-short"], [out]) == [None]
+    s.close()
+
+
+def test_a_model_name_longer_than_a_key_still_stores_pages_and_too_long_hashes_are_said(adapter_cluster, caplog):
+    """Found by a probe: a ~1,000-character served name, or page hashes that long, made every
+    page key too long: every page silently failed."""
+    import logging
+
+    import torch
+
+    src = mha_host_pool()
+    fill_random(src, seed=11)
+    idx = torch.arange(0, 16)
+    s = make_storage(adapter_cluster.addresses, model_name="org/" + "m" * 1500)
+    try:
+        s.register_mem_pool_host(src)
+        assert s.batch_set_v1(["long-a", "long-b", "long-c", "long-d"], idx) == [True] * 4
+        assert s.batch_exists(["long-a", "long-b", "long-c", "long-d"]) == 4
+        caplog.set_level(logging.WARNING, logger="sglang_adapter.backend")
+        huge = ["h" * 2000 + str(i) for i in range(4)]
+        assert s.batch_set_v1(huge, idx) == [False] * 4
+        assert s.batch_get_v1(huge, idx) == [False] * 4
+    finally:
+        s.close()
+    lines = [r.getMessage() for r in caplog.records if "exceed" in r.getMessage()]
+    assert len(lines) == 1 and "never stored or found" in lines[0], lines
+
+
 def test_a_refused_token_is_logged_once_not_silent(make_cluster, tmp_path, monkeypatch, caplog):
     """With OnNodeError.MISS a daemon refusing the token made every page a miss and said nothing:
     SGLang ran on without its L3 and nothing told the operator why."""

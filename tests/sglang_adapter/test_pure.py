@@ -142,11 +142,12 @@ def test_adapter_config_refuses_unknown_keys_and_accepts_sglangs_own(monkeypatch
     assert AdapterConfig.from_extra({"nodes": ["a:1"], "namespace": "ft-b", **sglang_keys}).namespace == "ft-b"
 
 
-@pytest.mark.parametrize("value", [True, False, float("inf"), float("nan"), -1.0, 0])
+@pytest.mark.parametrize("value", [True, False, float("inf"), float("nan"), -1.0, 0, 86400.5, 2.2e6])
 @pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
 def test_timeouts_are_finite_numbers_of_seconds_in_both_configs(monkeypatch, name, value):
     """Found by a probe: timeout_s true was taken for 1 second, and Infinity (json.loads accepts
-    it) made every call fail with an OverflowError deep in the client."""
+    it) made every call fail with an OverflowError deep in the client; so did any value past
+    ~24.8 days (poll's milliseconds overflow a C int): at most a day is accepted."""
     from sglang_adapter.emb_config import EmbeddingStoreConfig
 
     monkeypatch.delenv("GCACHE_CONFIG", raising=False)
@@ -154,3 +155,26 @@ def test_timeouts_are_finite_numbers_of_seconds_in_both_configs(monkeypatch, nam
         AdapterConfig.from_extra({"nodes": ["a:1"], name: value})
     with pytest.raises(ConfigError, match=name):
         EmbeddingStoreConfig.load({"nodes": ["a:1"], "model": "m", name: value})
+
+
+def test_nodes_and_masters_together_are_refused(monkeypatch):
+    """Found by a probe: 'masters' beside 'nodes' was silently ignored."""
+    monkeypatch.delenv("GCACHE_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match="'nodes' or 'masters', not both"):
+        AdapterConfig.from_extra({"nodes": ["a:1"], "masters": "gcache://m:1"})
+
+
+def test_a_model_name_too_long_for_a_key_is_shortened_with_a_digest():
+    """Found by a probe: a served name of ~900+ characters made every key longer than gcache's
+    1 KiB limit, so every page failed (silently: L3 off)."""
+    from gcache.protocol import MAX_KEY_BYTES
+    from sglang_adapter.keys import MODEL_NAME_MAX, model_name
+
+    a, b = "m" * 3000 + "-a", "m" * 3000 + "-b"
+    assert model_name(a) != model_name(b)
+    assert len(model_name(a).encode()) <= MODEL_NAME_MAX
+    key = KeyScheme(model_name(a), 7, 8, pp_rank=3, pp_size=4).key("f" * 64, "kv", page_format("C", "l", "d", 1, [1]))
+    assert len(key) <= MAX_KEY_BYTES
+    assert model_name("x" * MODEL_NAME_MAX) == "x" * MODEL_NAME_MAX  # short enough: unchanged
+    # a real name never meets a shortened one: its "~" is encoded
+    assert "~" not in model_name("a~" + "0" * 32) and "~" in model_name(a)

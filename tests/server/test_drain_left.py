@@ -1,0 +1,99 @@
+"""A drained node leaves for good: once the masters removed it, a heartbeat reply that no longer
+knows it is the drain completing, not a reason to register again.
+
+The race (found by a network-fault probe under load, 2 of 5 drains): the masters take the
+node's HandoverDone and delete its record; its next heartbeat comes back "unknown node" before
+its handover loop has marked it left, and it registered again, as incarnation 1 of a new
+member: it took a share of the ring, refused every request as FENCED, and the other nodes
+handed it keys it refused (so they forgot them); or the drain was silently undone.
+
+In-process: the real Agent (not started) and the real NodeTable's memberships; the masters
+answer through a recording stand-in, so the order of events is the race's, every time."""
+
+import time
+
+from gcache.meta.nodetable import NodeTable
+from gcache.server.agent import Agent
+from gcache.tier.store import Store, StoreConfig
+from tests.server.test_routing_epochs import register
+
+GiB = 1 << 30
+
+
+class Masters:
+    """Answers heartbeats as the leader does for a node it does not know (or lists otherwise)."""
+
+    def __init__(self, table: NodeTable, reason: str | None) -> None:
+        self.table, self.reason, self.calls = table, reason, []
+
+    def call_all(self, name, request, timeout_s=None):
+        self.calls.append(name)
+        if self.reason is None:  # the leader knows it: a newer epoch to fetch
+            return [{"ok": True, "leader": True, "epoch": self.table.epoch}]
+        return [{"ok": False, "reason": self.reason, "epoch": self.table.epoch, "leader": True}]
+
+    def call(self, name, request, timeout_s=None):
+        self.calls.append(name)
+        if name == "Register":
+            out = self.table.apply({"v": 1, "op": "register", **request})
+            return {**out, "membership": self.table.membership()}
+        raise AssertionError(f"unexpected call {name}")
+
+    def membership_at_least(self, epoch, timeout_s=None):
+        return self.table.membership()
+
+
+def drained_n1(reason):
+    """n0, n1, n2 settled, n1 drained and its handover report taken (the masters removed it); an
+    Agent for n1 that last applied the membership in which it was draining."""
+    t = NodeTable()
+    for i in range(3):
+        register(t, i)
+    for n in t.membership()["transition"]["pending"]:
+        t.apply({"v": 1, "op": "handover_done", "node": n, "epoch": t.epoch})
+    t.apply({"v": 1, "op": "drain", "node": "n1"})
+    draining = t.membership()
+    assert next(r for r in draining["nodes"] if r["id"] == "n1")["state"] == "draining"
+    t.apply({"v": 1, "op": "handover_done", "node": "n1", "epoch": t.epoch})
+    assert all(r["id"] != "n1" for r in t.membership()["nodes"])
+    masters = Masters(t, reason)
+    agent = Agent(masters, "n1", "n1:1", GiB, Store(StoreConfig(mem_bytes=16 << 20, pretouch=False)), None,  # type: ignore[arg-type]
+                  put=lambda *a: [])
+    agent.inc = 1
+    agent._apply_membership(draining, build_now=True)
+    agent._registered.set()
+    agent._last_tick = agent._last_led = time.monotonic()
+    return agent, masters, t
+
+
+def test_unknown_node_after_the_drain_was_taken_means_left_not_register_again():
+    agent, masters, t = drained_n1("unknown node")
+    agent._heartbeat()
+    assert "Register" not in masters.calls
+    assert agent.left and agent.fenced
+    assert all(r["id"] != "n1" for r in t.membership()["nodes"])  # not back in the table
+
+
+def test_a_newer_membership_without_this_node_after_its_drain_means_left():
+    agent, masters, _ = drained_n1(None)  # the leader answers ok, with the epoch of the removal
+    agent._heartbeat()
+    assert "Register" not in masters.calls
+    assert agent.left and agent.fenced
+
+
+def test_a_node_that_was_not_draining_still_registers_again_when_forgotten():
+    """The guard is the drain's only: a live member the masters forgot (a master group started
+    afresh) registers again, as before."""
+    t = NodeTable()
+    for i in range(2):
+        register(t, i)
+    masters = Masters(NodeTable(), "unknown node")  # a new master group: knows nobody
+    agent = Agent(masters, "n1", "n1:1", GiB, Store(StoreConfig(mem_bytes=16 << 20, pretouch=False)), None,  # type: ignore[arg-type]
+                  put=lambda *a: [])
+    agent.inc = 1
+    agent._apply_membership(t.membership(), build_now=True)
+    agent._registered.set()
+    agent._last_tick = agent._last_led = time.monotonic()
+    agent._heartbeat()
+    assert "Register" in masters.calls
+    assert not agent.left
