@@ -30,6 +30,7 @@ def test_bad_arguments_are_refused_with_a_message(argv):
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian package valgrind)")
+@pytest.mark.timeout(600)  # Python under callgrind starts ~50x slower: 30-120 s here, more on a busy machine
 def test_the_daemon_side_is_counted_under_callgrind(tmp_path):
     """A short real run: the handler's instructions per EXISTS of 4 keys, written as a record."""
     out = tmp_path / "ic.json"
