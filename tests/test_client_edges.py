@@ -10,7 +10,7 @@ import pytest
 from gcache import Client, LocalPath, OnNodeError, Status
 from gcache.cluster import LocalCluster
 from gcache.errors import ConfigError
-from gcache.meta.master_client import MasterClient
+from gcache.meta.master_client import MasterClient, MasterUnavailable
 from tests.conftest import poll, sigstop
 
 
@@ -108,9 +108,10 @@ def test_a_client_no_master_answers_fails_fast_and_says_why():
         ports.append(s.getsockname()[1])
         s.close()
     t0 = time.monotonic()
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(MasterUnavailable) as err:  # a ConnectionError (it was a ConfigError)
         Client("gcache://" + ",".join(f"127.0.0.1:{p}" for p in ports), token="t", timeout_s=0.5)
     assert time.monotonic() - t0 < 2.0
+    assert isinstance(err.value, ConnectionError)
     assert "no master answered" in str(err.value) and "UNAVAILABLE" in str(err.value)
 
 

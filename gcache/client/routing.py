@@ -16,7 +16,7 @@ import grpc
 
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import delta
-from gcache.meta.master_client import AuthFailed, Backoff, MasterClient
+from gcache.meta.master_client import AuthFailed, Backoff, MasterClient, MasterUnavailable
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing
 
@@ -116,7 +116,7 @@ class MembershipWatcher:
             watcher.stop()
             if isinstance(err, GCacheError):
                 raise err
-            raise ConfigError(f"no master at {where} answered")
+            raise MasterUnavailable(f"no master at {where} answered")
         return watcher
 
     def start(self) -> MembershipWatcher:
@@ -148,7 +148,7 @@ class MembershipWatcher:
                     # every master tried once and none delivered: a client being made learns
                     # why now, not after its whole bootstrap timeout
                     if self.error is None:
-                        self.error = ConfigError("no master answered: " + "; ".join(
+                        self.error = MasterUnavailable("no master answered: " + "; ".join(
                             f"{a}: {why}" for a, why in sorted(self._failed.items())))
                     self._first.set()
             if self._stop.wait(wait):

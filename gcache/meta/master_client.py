@@ -21,8 +21,8 @@ from gcache.meta import rpc
 from gcache.meta.beat import BeatClient
 
 
-class MasterUnavailable(GCacheError):
-    """No master answered."""
+class MasterUnavailable(GCacheError, ConnectionError):
+    """No master answered (a network failure, not a bad setting)."""
 
 
 class AuthFailed(GCacheError):
