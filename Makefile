@@ -46,9 +46,10 @@ sglang-deps: venv
 	scripts/install_sglang.sh $(VENV)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a module's tests in one of them: most
-# of its time is waiting on the processes the tests start, so 3 workers on 2 cores take about
-# 40% of the serial time. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 3
+# of its time is waiting on the processes the tests start, so 2 workers on 2 cores take about
+# half the serial time (3 take less, but timing-bound tests failed beside other load).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: venv system-deps sglang-deps
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
