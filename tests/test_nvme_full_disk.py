@@ -5,6 +5,8 @@ stop at a capacity, short or with ENOSPC, as a full disk makes them."""
 
 import errno
 import os
+import shutil
+import threading
 
 import pytest
 
@@ -212,3 +214,54 @@ def test_a_store_on_a_small_filesystem_keeps_demoting(tmp_path, monkeypatch):
     finally:
         s.close()
 
+
+
+def test_a_delete_without_room_for_its_tombstone_waits_for_the_demotion_it_supersedes(tmp_path, monkeypatch):
+    """Found by a probe: K was being written to disk by the demoter when a delete (or an
+    overwrite) of K came; its tombstone failed (a full disk) and the delete was acknowledged at
+    once, leaving the record for the demoter to invalidate later. A kill -9 in between brought K's
+    deleted (or older) value back after the restart. Now the acknowledgement waits for the
+    demoter. The crash is a copy of the directory taken right after the acknowledgement. (An
+    overwrite takes the same path, Store._forget_older; here its put waits for the demoter
+    anyway, for room in RAM, so this setup cannot show the order for it.)"""
+    d, crash = str(tmp_path / "disk"), str(tmp_path / "crash")
+    os.makedirs(d)
+    fs = SmallFs(d, 64 * MB)
+    monkeypatch.setattr(nvme_mod, "os", fs)
+    s = Store(StoreConfig(mem_bytes=1 * MB, disk_dir=d, disk_bytes=8 * MB, segment_bytes=8 * MB,
+                          pretouch=False))
+    k, v1 = key(1), value(1, 20 * KB)
+    real_write, racers = s.nvme.write, []
+
+    def supersede():
+        assert s.delete(k)
+        shutil.copytree(d, crash)  # kill -9 right after the acknowledgement
+
+    def write(p, view):  # the demoter's write of a record, done
+        ok = real_write(p, view)
+        if p.key == k and not racers:
+            fs.capacity = fs.taken()  # the disk is full from here on: no tombstone fits
+            racers.append(threading.Thread(target=supersede))
+            racers[0].start()
+            racers[0].join(1.0)  # the chance to acknowledge while this record is still valid
+        return ok
+
+    monkeypatch.setattr(s.nvme, "write", write)
+    try:
+        assert s.put(k, v1) is Status.OK
+        for i in range(2, 200):  # evict k: the demoter writes it
+            if racers:
+                break
+            assert s.put(key(i), value(i, 20 * KB)) is Status.OK
+        assert racers, "k was never demoted"
+        racers[0].join(30)
+        assert not racers[0].is_alive() and os.path.isdir(crash)
+        assert s.stats()["disk_write_errors"] > 0  # the tombstone did fail
+    finally:
+        s.close()
+    monkeypatch.undo()
+    t = NvmeTier(crash, 8 * MB, segment_bytes=8 * MB)
+    try:
+        assert readable(t, k) is None  # not the deleted value
+    finally:
+        t.close()

@@ -254,10 +254,16 @@ class NvmeTier:
         """Forget ``key``; a tombstone with sequence number ``seq`` makes the removal survive a
         restart. Written if the key is indexed or ``force`` (a write of it may be in flight).
         Returns whether the key was indexed."""
+        return self.remove_durably(key, seq, force)[0]
+
+    def remove_durably(self, key: Key, seq: int | None = None, force: bool = False) -> tuple[bool, bool]:
+        """remove(), and whether a tombstone was written (False also when none was needed). The
+        indexed record is invalidated in place when the tombstone cannot be written; a record
+        of the key still being written cannot be: the caller invalidates it once written."""
         with self._lock:
             loc = self.index.get(key)
             if loc is None and not force:
-                return False
+                return False, False
             self._unindex(key)
             if seq is None:
                 self.max_seq += 1
@@ -269,7 +275,7 @@ class NvmeTier:
         ok = seg is not None and self._write(Pending(key, b"", total, seg, off, None), parts)
         if not ok and loc is not None:
             self._invalidate(loc)  # no tombstone (full disk): kill the old record itself
-        return loc is not None  # (files of segments reclaimed for the tombstone: the owner sweeps)
+        return loc is not None, ok  # (files of segments reclaimed for the tombstone: the owner sweeps)
 
     def _reserve(self, total: int) -> tuple[Segment | None, int]:
         """Lock held. Takes a reference on the segment; _write() gives it back."""

@@ -15,8 +15,10 @@ NVMe records, see gcache.tier.records). A delete or overwrite, under the lock: m
 waiting for the disk as superseded (it is then never served nor indexed, and a record of it
 already written is invalidated), and appends a tombstone whenever a copy may be on disk. A
 demotion reserves its record's place under the lock, so a later tombstone always lands after
-it. A promotion reads outside the lock and inserts its value only if the NVMe index still
-points at the record it read.
+it. When the tombstone cannot be written (a full disk) while the demoter is writing an older
+value of the key, the delete or overwrite is acknowledged only once the demoter has invalidated
+that record: a crash in between would otherwise bring the older value back. A promotion reads
+outside the lock and inserts its value only if the NVMe index still points at the record it read.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from gcache.tier.valuemeta import NO_META, ValueMeta
 Guard = Callable[[], "Callable[[Key], bool] | None"]
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 10.0  # longest a write or delete waits for the demoter to invalidate a superseded record (_settle)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,10 @@ class Store:
         self._lock = threading.Condition(threading.Lock())
         self._seq = itertools.count(1)  # without a disk; with one, the NVMe tier hands them out
         self._demoting: dict[Key, RamEntry] = {}  # queued or being written, not superseded
+        self._writing: set[RamEntry] = set()  # the demoter's write of it is under way
+        # superseded while being written, and the tombstone could not be written (a full disk):
+        # the write that superseded it is acknowledged only once the demoter invalidated it
+        self._unconfirmed: list[RamEntry] = []
         self._queue: collections.deque[tuple[Key, RamEntry]] = collections.deque()
         self._queue_bytes = 0
         self._closed = False
@@ -236,6 +244,7 @@ class Store:
             finally:
                 self.counters["puts"] += done
                 self.counters["put_bytes"] += sum(res.size for _key, res, _meta in items[:done])
+                self._settle()
         if self.nvme is not None:
             self.nvme.sweep()  # files of segments a tombstone's reservation reclaimed
         return rejected
@@ -416,6 +425,7 @@ class Store:
             if if_seq is not None and self._current_seq(key) != if_seq:
                 return False
             found = self._delete(key)
+            self._settle()
         if self.nvme is not None:
             self.nvme.sweep()
         return found
@@ -428,6 +438,7 @@ class Store:
             check = guard() if guard is not None else None
             for key in keys:
                 out.append(None if key is None or (check is not None and not check(key)) else self._delete(key))
+            self._settle()
         if self.nvme is not None:
             self.nvme.sweep()
         return out
@@ -472,9 +483,32 @@ class Store:
         if pending is not None:
             pending.superseded = True  # never served, never indexed; a written record is invalidated
         found = pending is not None
-        if self.nvme is not None and self.nvme.remove(key, seq, force=pending is not None):
-            found = True
+        if self.nvme is not None:
+            indexed, tombstoned = self.nvme.remove_durably(key, seq, force=pending is not None)
+            found = found or indexed
+            if pending is not None and not tombstoned and pending in self._writing:
+                # its record may be complete on disk and nothing hides it: a crash before the
+                # demoter invalidates it would bring it back (see _settle)
+                self._unconfirmed.append(pending)
         return found
+
+    def _settle(self) -> None:
+        """Lock held, the last step of a write or delete before it is acknowledged: wait until
+        the demoter has invalidated the records of older values it was writing when their
+        tombstone could not be written (at most SETTLE_S; the lock is released meanwhile)."""
+        deadline = 0.0
+        while self._unconfirmed:
+            if self._unconfirmed[-1] not in self._writing:
+                self._unconfirmed.pop()
+                continue
+            deadline = deadline or time.monotonic() + SETTLE_S
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("a demotion superseded without a tombstone is still being written after %.0fs; "
+                          "acknowledging anyway (a crash now could bring its value back)", SETTLE_S)
+                self._unconfirmed.clear()
+                return
+            self._lock.wait(left)
 
     # -- eviction and demotion ---------------------------------------------------------------
     def _group(self, gid: GroupId) -> PoolGroup | None:
@@ -542,6 +576,8 @@ class Store:
                 p = None if entry.superseded else nvme.prepare(
                     key, entry.size, entry.expires, entry.seq, ValueMeta(entry.pool, entry.pos, entry.tail, 0.0,
                                                                          entry.fmt))
+                if p is not None:
+                    self._writing.add(entry)
             ok = False
             nvme.sweep()  # files of segments the reservation reclaimed: their space is needed now
             if p is not None:
@@ -550,6 +586,7 @@ class Store:
                 except Exception:  # never let the demoter die silently
                     log.exception("demotion of %r failed", key)
             with self._lock:
+                self._writing.discard(entry)
                 if self._demoting.get(key) is entry:
                     del self._demoting[key]
                 self._queue_bytes -= entry.size
