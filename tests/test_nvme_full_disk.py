@@ -12,9 +12,10 @@ import pytest
 
 import gcache.tier.nvme as nvme_mod
 from gcache.protocol import Status
+from gcache.tier.eviction import EvictionConfig
 from gcache.tier.nvme import NvmeTier
 from gcache.tier.store import Store, StoreConfig
-from tests.conftest import read
+from tests.conftest import poll, read
 
 KB = 1024
 MB = 1024 * KB
@@ -216,25 +217,26 @@ def test_a_store_on_a_small_filesystem_keeps_demoting(tmp_path, monkeypatch):
 
 
 
-def test_a_delete_without_room_for_its_tombstone_waits_for_the_demotion_it_supersedes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("op", ["delete", "overwrite"])
+def test_a_delete_without_room_for_its_tombstone_waits_for_the_demotion_it_supersedes(tmp_path, monkeypatch, op):
     """Found by a probe: K was being written to disk by the demoter when a delete (or an
     overwrite) of K came; its tombstone failed (a full disk) and the delete was acknowledged at
     once, leaving the record for the demoter to invalidate later. A kill -9 in between brought K's
     deleted (or older) value back after the restart. Now the acknowledgement waits for the
-    demoter. The crash is a copy of the directory taken right after the acknowledgement. (An
-    overwrite takes the same path, Store._forget_older; here its put waits for the demoter
-    anyway, for room in RAM, so this setup cannot show the order for it.)"""
+    demoter. The crash is a copy of the directory taken right after the acknowledgement: it
+    must not serve the deleted (or overwritten, with the new value only in RAM) one. K is
+    evicted by hand so that RAM has room for an overwrite without waiting for the demoter."""
     d, crash = str(tmp_path / "disk"), str(tmp_path / "crash")
     os.makedirs(d)
     fs = SmallFs(d, 64 * MB)
     monkeypatch.setattr(nvme_mod, "os", fs)
     s = Store(StoreConfig(mem_bytes=1 * MB, disk_dir=d, disk_bytes=8 * MB, segment_bytes=8 * MB,
-                          pretouch=False))
-    k, v1 = key(1), value(1, 20 * KB)
+                          pretouch=False, eviction=EvictionConfig.parse("lru")))
+    k, v1, v2 = key(1), value(1, 20 * KB), value(2, 20 * KB)
     real_write, racers = s.nvme.write, []
 
     def supersede():
-        assert s.delete(k)
+        assert s.delete(k) if op == "delete" else s.put(k, v2) is Status.OK
         shutil.copytree(d, crash)  # kill -9 right after the acknowledgement
 
     def write(p, view):  # the demoter's write of a record, done
@@ -249,11 +251,9 @@ def test_a_delete_without_room_for_its_tombstone_waits_for_the_demotion_it_super
     monkeypatch.setattr(s.nvme, "write", write)
     try:
         assert s.put(k, v1) is Status.OK
-        for i in range(2, 200):  # evict k: the demoter writes it
-            if racers:
-                break
-            assert s.put(key(i), value(i, 20 * KB)) is Status.OK
-        assert racers, "k was never demoted"
+        with s._lock:  # evict k: the demoter writes it
+            s._evict(k, s.ram.index[k])
+        assert poll(lambda: racers, 10), "k was never demoted"
         racers[0].join(30)
         assert not racers[0].is_alive() and os.path.isdir(crash)
         assert s.stats()["disk_write_errors"] > 0  # the tombstone did fail
@@ -262,6 +262,6 @@ def test_a_delete_without_room_for_its_tombstone_waits_for_the_demotion_it_super
     monkeypatch.undo()
     t = NvmeTier(crash, 8 * MB, segment_bytes=8 * MB)
     try:
-        assert readable(t, k) is None  # not the deleted value
+        assert readable(t, k) is None  # neither the deleted value nor the overwritten one
     finally:
         t.close()
