@@ -79,16 +79,24 @@ def check_worker_url(url: object) -> None:
            f"worker url {url!r}: the path must be printable ASCII without spaces")
 
 
+def _where(url: str) -> tuple[str, int, str]:
+    """What a (checked) worker URL reaches: host (lower case), port (80 by default), path prefix."""
+    u = urlsplit(url)
+    return (u.hostname or "").lower(), u.port or 80, u.path.rstrip("/")
+
+
 def check_workers(workers: Iterable[WorkerSpec], n_buckets: int) -> None:
     """A fleet the router can use: no worker listed twice (same URL), no two workers with the same
     explicit id, every bucket one of the ``n_buckets`` configured."""
-    urls: set[str] = set()
+    urls: dict[tuple[str, int, str], str] = {}
     ids: dict[str, str] = {}
     for w in workers:
         _check(w.bucket is None or w.bucket < n_buckets,
                f"worker {w.name!r}: bucket {w.bucket} is not one of the {n_buckets} configured (0-{n_buckets - 1})")
-        _check(w.name not in urls, f"worker {w.name!r} is listed twice")
-        urls.add(w.name)
+        same = _where(w.name)  # http://h, http://h:80 and http://H:080 are one worker
+        _check(same not in urls, f"worker {w.name!r} is listed twice"
+               + (f" (as {urls[same]!r})" if same in urls and urls[same] != w.name else ""))
+        urls[same] = w.name
         if w.id:
             _check(w.id not in ids, f"worker id {w.id!r} is given to both {ids.get(w.id)!r} and {w.name!r}")
             ids[w.id] = w.name

@@ -6,7 +6,12 @@ once. The health checker still uses aiohttp.
 Failures are typed so the caller can tell a request that never reached the worker
 (``Unreached``: refused, connect timeout, a fresh connection closed or reset before any
 response byte) from one that did (``UpstreamError``). A reused idle connection the worker
-closed is replaced by a fresh one without the caller noticing.
+closed is replaced by a fresh one without the caller noticing, once: if that one closes too, the
+request is Unreached (the caller's retries count it).
+
+A connection carries exactly one response per request: bytes from the worker while no request is
+outstanding, or a second response after the first, close it (kept, they would be read as the
+answer to the next request sent on it, and every later one would get its predecessor's).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class UpstreamConn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.busy = False  # a request is outstanding (post() to release())
         self._waiter: asyncio.Future | None = None
         self._want_head = True
         self._paused = False
@@ -65,12 +71,16 @@ class UpstreamConn(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.error: Exception | None = None
+        self.excess = False  # a second response began after this request's: never reused
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy:  # nothing asked: a stray response would answer the next request
+            self.close()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -101,13 +111,22 @@ class UpstreamConn(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second response to one request: ignored, and the connection closed
+            self.excess = True
+            self.close()
+
     def on_status(self, reason: bytes) -> None:
-        self.reason += reason
+        if not self.excess:
+            self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.excess:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.excess:
+            return
         self.status = self.parser.get_status_code()
         if self.status < 200:  # an interim 1xx answer: the real one follows
             return
@@ -124,10 +143,13 @@ class UpstreamConn(asyncio.Protocol):
         self.head_done = True
 
     def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
+        if not self.excess:
+            self.chunks.append(body)
+            self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.excess:
+            return
         if self.status < 200:
             self.status, self.reason, self.headers = 0, b"", []
             return
@@ -197,8 +219,10 @@ class UpstreamConn(asyncio.Protocol):
 
     def release(self) -> None:
         """Give the connection back (answer fully read, keep-alive) or close it."""
-        if self.complete and self.keep_alive and not self.chunks and not self.closed and self.error is None:
+        if (self.complete and self.keep_alive and not self.chunks and not self.closed and self.error is None
+                and not self.excess):
             self._reset()
+            self.busy = False
             self.pool.put(self)
         else:
             self.close()
@@ -271,9 +295,10 @@ class UpstreamPool:
     async def post(self, key: tuple[str, int], data: bytes, first_byte_timeout_s: float) -> UpstreamConn:
         """Send a whole request (head and body); return the connection once the response head is
         in. Raises Unreached, UpstreamError or TimeoutError; the caller must ``release()``."""
+        conn = self._idle_conn(key) or await self._connect(key)
         while True:
-            conn = self._idle_conn(key) or await self._connect(key)
             assert conn.transport is not None
+            conn.busy = True
             conn.transport.write(data)
             try:
                 await conn.wait_head(first_byte_timeout_s)
@@ -281,7 +306,11 @@ class UpstreamPool:
             except _Closed as e:
                 conn.close()
                 if conn.reused:
-                    continue  # the worker closed an idle connection: nothing was sent to it, try a fresh one
+                    # most likely the worker closed an idle connection: try once more, on a fresh
+                    # one (a worker that reads requests and closes would otherwise be sent the
+                    # same request once per idle connection)
+                    conn = await self._connect(key)
+                    continue
                 raise Unreached(f"connection closed before any response byte: {e}") from None
             except BaseException:
                 conn.close()

@@ -120,6 +120,12 @@ def test_unusable_worker_specs_are_refused_at_config_load():
         WorkerSpec.from_dict({"url": "http://127.0.0.1:1", "speed": 1e999})
     with pytest.raises(ValueError, match="listed twice"):
         build_app(test_config(), [WorkerSpec("http://127.0.0.1:1"), WorkerSpec("http://127.0.0.1:1/")])
+    # one worker under two spellings (a probe: each got its own limit, prefix index and breaker)
+    for a, b in (("http://127.0.0.1", "http://127.0.0.1:80"), ("http://127.0.0.1:9000", "http://127.0.0.1:09000"),
+                 ("http://Localhost:9/x", "http://localhost:9/x/")):
+        with pytest.raises(ValueError, match="listed twice"):
+            build_app(test_config(), [WorkerSpec(a), WorkerSpec(b)])
+    build_app(test_config(), [WorkerSpec("http://127.0.0.1:9/a"), WorkerSpec("http://127.0.0.1:9/b")])  # two paths
     with pytest.raises(ValueError, match="worker id 'a'"):
         build_app(test_config(), [WorkerSpec("http://127.0.0.1:1", id="a"), WorkerSpec("http://127.0.0.1:2", id="a")])
     with pytest.raises(ValueError, match="bucket 3 is not one of the 3 configured"):
