@@ -55,7 +55,7 @@ def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer
 
 #: longest model name kept as it is in a key; a longer one (keys are at most
 #: gcache.protocol.MAX_KEY_BYTES) is shortened to its first MODEL_HEAD bytes, ``~`` and a digest
-MODEL_NAME_MAX = 200
+MODEL_NAME_MAX = 640  # (a key also holds the page hash, pool, shard fields and format: ~150 bytes)
 MODEL_HEAD = 64
 
 

@@ -18,6 +18,15 @@ class NodeState(enum.Enum):
     DRAINING = "draining"
 
 
+def address_error(address: str) -> str | None:
+    """Why ``address`` is not a HOST:PORT a node can be reached at (None: it is one). The masters
+    refuse a Register with such an address (gcache.meta.master), so no membership holds one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535 or any(c in host for c in ", \t"):
+        return f"address {address!r} is not HOST:PORT (a port 1-65535)"
+    return None
+
+
 @dataclass(frozen=True)
 class Node:
     """A daemon: ``node_id`` is stable across restarts; ``address`` is its data-plane HOST:PORT;
@@ -29,9 +38,9 @@ class Node:
     state: NodeState = NodeState.UP
 
     def __post_init__(self) -> None:
-        host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535 or any(c in host for c in ", \t"):
-            raise ConfigError(f"node {self.node_id!r}: address {self.address!r} is not HOST:PORT (a port 1-65535)")
+        err = address_error(self.address)
+        if err:
+            raise ConfigError(f"node {self.node_id!r}: {err}")
         if not self.weight > 0:
             raise ConfigError(f"node {self.node_id!r}: weight must be > 0")
 

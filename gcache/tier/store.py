@@ -146,9 +146,9 @@ class Store:
         self._seq = itertools.count(1)  # without a disk; with one, the NVMe tier hands them out
         self._demoting: dict[Key, RamEntry] = {}  # queued or being written, not superseded
         self._writing: set[RamEntry] = set()  # the demoter's write of it is under way
-        # superseded while being written, and the tombstone could not be written (a full disk):
-        # the write that superseded it is acknowledged only once the demoter invalidated it
-        self._unconfirmed: list[RamEntry] = []
+        # per calling thread: entries superseded while being written whose tombstone could not be
+        # written (a full disk); that write is acknowledged only once the demoter invalidated them
+        self._mine = threading.local()
         self._queue: collections.deque[tuple[Key, RamEntry]] = collections.deque()
         self._queue_bytes = 0
         self._closed = False
@@ -489,26 +489,35 @@ class Store:
             if pending is not None and not tombstoned and pending in self._writing:
                 # its record may be complete on disk and nothing hides it: a crash before the
                 # demoter invalidates it would bring it back (see _settle)
-                self._unconfirmed.append(pending)
+                self._unconfirmed().append(pending)
         return found
 
     def _settle(self) -> None:
         """Lock held, the last step of a write or delete before it is acknowledged: wait until
-        the demoter has invalidated the records of older values it was writing when their
-        tombstone could not be written (at most SETTLE_S; the lock is released meanwhile)."""
+        the demoter has invalidated the records of older values it was writing when this
+        thread's tombstones for them could not be written (at most SETTLE_S; the lock is
+        released meanwhile)."""
+        mine = self._unconfirmed()
         deadline = 0.0
-        while self._unconfirmed:
-            if self._unconfirmed[-1] not in self._writing:
-                self._unconfirmed.pop()
+        while mine:
+            if mine[-1] not in self._writing:
+                mine.pop()
                 continue
             deadline = deadline or time.monotonic() + SETTLE_S
             left = deadline - time.monotonic()
             if left <= 0:
                 log.error("a demotion superseded without a tombstone is still being written after %.0fs; "
                           "acknowledging anyway (a crash now could bring its value back)", SETTLE_S)
-                self._unconfirmed.clear()
+                mine.clear()
                 return
             self._lock.wait(left)
+
+    def _unconfirmed(self) -> list[RamEntry]:
+        """This thread's entries _settle waits for (other callers never wait for them)."""
+        mine: list[RamEntry] | None = getattr(self._mine, "entries", None)
+        if mine is None:
+            mine = self._mine.entries = []
+        return mine
 
     # -- eviction and demotion ---------------------------------------------------------------
     def _group(self, gid: GroupId) -> PoolGroup | None:

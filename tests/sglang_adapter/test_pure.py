@@ -176,5 +176,8 @@ def test_a_model_name_too_long_for_a_key_is_shortened_with_a_digest():
     key = KeyScheme(model_name(a), 7, 8, pp_rank=3, pp_size=4).key("f" * 64, "kv", page_format("C", "l", "d", 1, [1]))
     assert len(key) <= MAX_KEY_BYTES
     assert model_name("x" * MODEL_NAME_MAX) == "x" * MODEL_NAME_MAX  # short enough: unchanged
+    longest = KeyScheme("x" * MODEL_NAME_MAX, 7, 8, pp_rank=3, pp_size=4, cp_rank=1, cp_size=2, dcp_rank=1,
+                        dcp_size=2).key("f" * 64, "mamba", page_format("C", "l", "d", 1, [1]))
+    assert len(longest) <= MAX_KEY_BYTES  # and still fits a key, every shard field included
     # a real name never meets a shortened one: its "~" is encoded
     assert "~" not in model_name("a~" + "0" * 32) and "~" in model_name(a)
