@@ -46,10 +46,13 @@ FORMAT_VERSION = 4
 
 def page_format(pool_class: str, layout: str, dtype: str, page_size: int, buffer_sizes: Sequence[int],
                 extra: Sequence[str] = ()) -> str:
-    """A short digest naming the byte format of one page (see the module docstring)."""
-    desc = f"v{FORMAT_VERSION}|{pool_class}|{layout}|{dtype}|{page_size}|{','.join(map(str, buffer_sizes))}"
-    if extra:
-        desc += "|" + "|".join(extra)
+    """A short digest naming the byte format of one page (see the module docstring). The fields
+    are joined with ``|``, each with its ``\\`` and ``|`` escaped, so no field's value can pass
+    for a field boundary (a model path ``/m|revision=v2`` is not ``/m`` at revision v2); a field
+    without either character is as it was before the escaping, and so is its digest."""
+    fields = [f"v{FORMAT_VERSION}", pool_class, layout, dtype, str(page_size), ",".join(map(str, buffer_sizes)),
+              *extra]
+    desc = "|".join(f.replace("\\", "\\\\").replace("|", "\\|") for f in fields)
     return xxhash.xxh3_64_hexdigest(desc.encode())
 
 

@@ -71,6 +71,23 @@ def test_page_format_names_every_property_of_the_bytes():
     assert s.key("ab", "kv", "f00d") == b"ab.kv@m_tp0of1#f00d"
 
 
+def test_page_format_fields_cannot_pass_for_one_another():
+    """A ``|`` inside a free-form field (a model path, a JSON override) is escaped: it cannot make
+    one deployment's identity read as another's (before: the same digest, so a deployment with
+    the default KV dtype read an e5m2 deployment's pages as its own)."""
+    base = ("MHATokenToKVPoolHost", "page_first", "torch.bfloat16", 64, [4096])
+    pairs = [(["model_path=/ckpt/m|revision=v2"], ["model_path=/ckpt/m", "revision=v2"]),
+             (["model_path=m", 'json_model_override_args={"x": 1}|kv_cache_dtype=fp8_e5m2'],
+              ["model_path=m", 'json_model_override_args={"x": 1}', "kv_cache_dtype=fp8_e5m2"]),
+             (["a\\|b"], ["a\\", "b"]), (["a\\"], ["a\\\\"])]
+    for one, other in pairs:
+        assert page_format(*base, one) != page_format(*base, other), (one, other)
+    shifted = page_format("MHATokenToKVPoolHost", "page_first|torch.bfloat16", "", 64, [4096])
+    assert shifted != page_format(*base)
+    # fields without ``|`` or ``\\`` keep the digest they had before the escaping (no upgrade misses)
+    assert page_format(*base, ["model_path=m", "revision=v2"]) == "94635c5d8b8d911c"  # as computed before
+
+
 def test_adapter_config_validates(monkeypatch):
     for k in ("GCACHE_NODES", "GCACHE_MASTERS", "GCACHE_TOKEN", "GCACHE_TOKEN_FILE"):
         monkeypatch.delenv(k, raising=False)
