@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         agent = None
         if args.masters:
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
-                          config.mem_bytes + config.disk_bytes, store, token, ClientPut(token),
+                          config.mem_bytes + config.disk_bytes, store, token, ClientPut(token, sender=server.node_id),
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after,
                           outage_max_s=args.outage_max)
             server.ctx.agent = agent  # the local server shares this context

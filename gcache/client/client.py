@@ -183,7 +183,7 @@ class Client:
     # -- batch operations -------------------------------------------------------------------
     def put(self, keys: Sequence[KeyLike], values: Sequence[Any], *, ttl_s: float | Sequence[float] = 0.0,
             namespace: str | None = None, pool: str | None = None, pos: Sequence[int] | None = None,
-            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0, handover: bool = False,
+            tail: Sequence[int] | None = None, fmt: int | Sequence[int] = 0, handover: bool | str = False,
             deadline: float | None = None) -> list[Status]:
         """Store values (bytes-like, numpy arrays, CPU or GPU tensors); per-key Status.
 
@@ -195,7 +195,9 @@ class Client:
         point's trailing-window page) and ``fmt`` (your format tag, an unsigned 32-bit int;
         one for all or one per key). See gcache.tier.pools.
         ``handover`` is for daemons pushing keys to their new owner: each is stored only where no
-        client has written or deleted it meanwhile (gcache.server.touchlog). ``deadline``
+        client has written or deleted it meanwhile (gcache.server.touchlog), and only while the
+        receiver's membership has a handover open (with the pushing node's id, ``handover="n1"``:
+        one that node is part of). ``deadline``
         (time.monotonic()): end the batch by then if that is sooner than ``timeout_s`` from now
         (one deadline for several calls)."""
         check_keys(keys)

@@ -15,7 +15,8 @@ from gcache.tier.valuemeta import ValueMeta
 
 
 class ClientPut:
-    def __init__(self, token: str | None, timeout_s: float = 10.0) -> None:
+    def __init__(self, token: str | None, timeout_s: float = 10.0, sender: str | None = None) -> None:
+        self.sender = sender  # this node's id, sent with each copy (the receiver checks it is handing over)
         self.config = ClientConfig(token=token, timeout_s=timeout_s, on_node_error=OnNodeError.MISS,
                                    local=LocalPath.OFF)
         self._client: Client | None = None
@@ -31,7 +32,7 @@ class ClientPut:
             client = self._client
         return client.put(keys, values, namespace=ns, pool=pool, pos=[m.pos for m in records],
                           tail=[m.tail for m in records], ttl_s=[m.ttl_s for m in records],
-                          fmt=[m.fmt for m in records], handover=True)
+                          fmt=[m.fmt for m in records], handover=self.sender or True)
 
     def close(self) -> None:
         with self._lock:

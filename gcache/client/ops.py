@@ -62,7 +62,7 @@ class PutOp(Operation):
     lease_round_trips = 2  # LALLOC, then LCOMMIT
 
     def __init__(self, ns: str, views: list[list[memoryview]], fields: dict[str, Any], pool: str | None,
-                 handover: bool) -> None:
+                 handover: bool | str) -> None:
         super().__init__(Op.PUT, ns, len(views))
         self.views = views
         self.fields = fields  # ttl / fmt / pos / tail: a list (per key) or one value (all keys)
@@ -79,7 +79,7 @@ class PutOp(Operation):
             elif value:
                 meta[name] = value
         if self.handover:
-            meta["ho"] = 1
+            meta["ho"] = self.handover if isinstance(self.handover, str) else 1  # the pushing node, when named
         if self.pool is not None:
             meta["pool"] = self.pool
         return meta, [part for i in idxs for part in self.views[i]]

@@ -138,6 +138,20 @@ class Agent:
         nothing: an old-epoch client is sent to the key's new owner, and falls back here)."""
         return ring is None or ring.owner(namespace, key) == self.node_id
 
+    def push_refusal(self, sender: str | None) -> str | None:
+        """Why a previous owner's pushed copies (from node ``sender``, when named) must not land
+        here now, or None. Asked once this node has caught up with the push's epoch. A push
+        belongs to an open handover that its sender is part of: one that arrives after its
+        handover closed (a sender stopped between its last fence check and the push, then
+        resumed) would otherwise be stored once the touch log had forgotten the writes and
+        deletes clients made here during that handover, bringing back an older value."""
+        t = self._transition
+        if t is None:
+            return f"no handover is open in epoch {self.epoch} (the copies are from one that has closed)"
+        if sender is not None and sender not in t["pending"]:
+            return f"node {sender} has no handover open in epoch {self.epoch}"
+        return None
+
     def caught_up(self, client_epoch: int | None, deadline: float | None = None) -> bool:
         """Wait (until ``deadline``, by default ``WRITE_WAIT_S``) until this node routes by
         ``client_epoch`` or a newer one; False if not in time."""

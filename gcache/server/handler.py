@@ -386,10 +386,12 @@ class Handler:
         """For a write admitted by the owner check of ``routed``: a store guard (WriteGuard)."""
         return WriteGuard(self.store, self.stream.hung_up, self.agent, routed)
 
-    def _write_keys_status(self, ns: str, keys: list[Any], pushed: bool = False) -> list[Status | None]:
+    def _write_keys_status(self, ns: str, keys: list[Any], pushed: bool = False,
+                           sender: str | None = None) -> list[Status | None]:
         """_keys_status for a write, once this node may take it (Agent.writable; a previous
-        owner's ``pushed`` copies only wait for this node to catch up with their epoch), owner
-        check by the ring this node routes by then."""
+        owner's ``pushed`` copies, from node ``sender`` when named, only wait for this node to
+        catch up with their epoch, and must belong to a handover still open), owner check by
+        the ring this node routes by then."""
         agent = self.agent
         if agent is not None:
             ep = self.routed[0] if self.routed else None
@@ -403,6 +405,9 @@ class Handler:
                 raise Refused(ErrorCode.FENCED, f"handover copies from epoch {ep} predate node {self.node_id}'s "
                                                 f"registration or a change of the ring it missed (epoch "
                                                 f"{agent.fresh_since})")
+            why = agent.push_refusal(sender) if pushed else None
+            if why is not None:
+                raise Refused(ErrorCode.FENCED, f"handover copies refused by node {self.node_id}: {why}")
             if self.routed is not None and self.routed[0] > self.routed[1]:  # it was ahead: check again
                 self._owner_check = self._rule_for(self.routed[0])
         return self._keys_status(ns, keys)
@@ -434,13 +439,14 @@ class Handler:
         pool = vmeta[0].pool if vmeta else None
         group = (ns, pool) if pool is not None else None
         log_ = self.agent.touchlog if self.agent is not None else None
-        handover = log_ is not None and bool(meta.get("ho"))  # a previous owner's pushed copies
+        ho = meta.get("ho")
+        handover = log_ is not None and bool(ho)  # a previous owner's pushed copies (ho: its id, or 1)
         status: list[int] = []
         # Reserved, not received yet: at most a small share of the arena, so a large batch still
         # makes room by evicting its own earlier (committed) values, as one key at a time would.
         chunk_limit = min(PUT_CHUNK_BYTES, self.store.arena.size // 16)
         chunk: list[tuple[int, Reservation]] = []  # reserved, not yet received and committed
-        refused = self._write_keys_status(ns, keys, pushed=handover)
+        refused = self._write_keys_status(ns, keys, pushed=handover, sender=ho if isinstance(ho, str) else None)
         guard = self.write_guard(self.routed)
         start = 0
         got: list[Reservation | Status | None] = []  # the run's reservations...

@@ -543,3 +543,62 @@ def test_a_pushed_copy_from_before_this_node_missed_changes_of_the_ring_is_refus
         assert not node.store.exists((NS, node.kept)) or read(node.store, (NS, node.kept)) == b"one"
     finally:
         node.close()
+
+
+def test_a_pushed_copy_lands_only_while_its_sender_is_handing_over(announced):
+    """A previous owner stopped between its last fence check and a push, then resumed after its
+    handover had closed, must not land that push: by then the receiver's touch log may have
+    forgotten the deletes and overwrites clients made during the handover, so the copy would
+    bring an older value back. A push is taken only while a handover is open and, when the push
+    names its sender, only from a node that handover waits for."""
+    (before, joined), t = joins(1)  # n2 joins: n0 and n1 hand keys over to it
+    assert sorted(joined["transition"]["pending"]) == ["n0", "n1"]
+    for n in joined["transition"]["pending"]:
+        t.apply({"v": 1, "op": "handover_done", "node": n, "epoch": t.epoch})
+    closed = t.membership()
+    assert closed["transition"] is None and closed["epoch"] > joined["epoch"]
+    node = Node(lambda: (before, joined), node_id="n2")
+    try:
+        node.learn_epoch()
+        node.build_ring()
+        c = node.connect()
+        key = node.gained
+        push = {"ns": NS, "keys": [key], "sizes": [3], "ep": node.e2}
+        assert call(c, Op.PUT, {**push, "ho": "n0"}, b"one")["st"] == [Status.OK]
+        with pytest.raises(ServerError, match="n5 has no handover open"):  # not a node it waits for
+            call(c, Op.PUT, {**push, "ho": "n5"}, b"two")
+        assert call(c, Op.DELETE, {"ns": NS, "keys": [key], "ep": node.e2})["st"] == [Status.OK]
+        node.agent._apply_membership(closed, build_now=True)  # the handover closed
+        node.agent.touchlog.clear()  # ...long ago: the touch log no longer remembers the delete
+        for ho in ("n0", 1):  # named, or from an older daemon that does not name itself
+            with pytest.raises(ServerError, match="no handover is open"):
+                call(c, Op.PUT, {**push, "ho": ho}, b"old")
+        assert not node.store.exists((NS, key))
+        assert call(c, Op.PUT, {**push, "ep": closed["epoch"]}, b"new")["st"] == [Status.OK]  # clients still write
+        assert read(node.store, (NS, key)) == b"new"
+    finally:
+        node.close()
+
+
+def test_a_pushed_copy_never_undoes_a_clients_write_or_delete(announced):
+    """During a handover the new owner stores a previous owner's pushed copy only where no
+    client wrote or deleted the key, and tells clients a miss on such a key is final ("tomb")."""
+    (before, joined), _t = joins(1)
+    node = Node(lambda: (before, joined), node_id="n2")
+    try:
+        node.learn_epoch()
+        node.build_ring()
+        ring = Membership.from_master(joined).build_ring()
+        new, gone, fresh = [k for k in (b"k%d" % i for i in range(400)) if ring.owner(NS, k) == "n2"][:3]
+        c = node.connect()
+        ep = node.e2
+        assert call(c, Op.PUT, {"ns": NS, "keys": [new, gone], "sizes": [2, 2], "ep": ep}, b"v2v1")["st"] == [0, 0]
+        assert call(c, Op.DELETE, {"ns": NS, "keys": [gone], "ep": ep})["st"] == [Status.OK]
+        push = {"ns": NS, "keys": [new, gone, fresh], "sizes": [2, 2, 2], "ho": "n0", "ep": ep}
+        assert call(c, Op.PUT, push, b"v1v0v1")["st"] == [Status.OK] * 3  # superseded counts as handed over
+        reply = call(c, Op.GET, {"ns": NS, "keys": [new, gone, fresh], "ep": ep})
+        assert reply["st"] == [Status.OK, Status.NOT_FOUND, Status.OK]
+        assert reply.get("tomb") == [1]  # deleted here: no fallback to an older copy
+        assert read(node.store, (NS, new)) == b"v2" and read(node.store, (NS, fresh)) == b"v1"
+    finally:
+        node.close()
