@@ -150,6 +150,30 @@ def test_a_read_whose_lease_expired_is_reported_invalid(make_cluster):
 
 
 
+def test_lcommit_of_a_read_lease_is_refused_and_leaks_no_slot(make_cluster):
+    """LCOMMIT naming an LGET lease: before, the daemon took the lease (so neither the reaper nor
+    the disconnect could see it), committed nothing and never unpinned its hits: the slots stayed
+    allocated for good, with no key in them, until the daemon restarted."""
+    from gcache import ServerError
+
+    c = make_cluster(nodes=1, mem="8MiB", extra_args=["--lease", "0.3"])
+    addr = c.addresses[0]
+    with Client([addr], local=LocalPath.OFF) as cl:
+        base = ram_used(cl, addr)
+        assert cl.put(["k"], [b"a" * 1_000_000]) == [Status.OK]
+        conn = raw_local(addr)
+        reply = conn.call(P.Op.LGET, {"ns": "default", "keys": [b"k"]}, time.monotonic() + 2)
+        assert reply["st"] == [0] and reply["ls"]
+        with pytest.raises(ServerError, match="read lease") as err:
+            conn.call(P.Op.LCOMMIT, {"ls": reply["ls"]}, time.monotonic() + 2)
+        assert err.value.code == P.ErrorCode.BAD_META
+        done = conn.call(P.Op.LDONE, {"ls": [reply["ls"]]}, time.monotonic() + 2)
+        assert done["ok"] == [True]  # still held after the refusal, released here
+        conn.close()
+        assert cl.delete(["k"]) == [True]
+        assert poll(lambda: ram_used(cl, addr) == base, 5), f"{ram_used(cl, addr) - base} bytes never freed"
+
+
 def test_a_get_whose_copy_outlasts_its_lease_reports_misses_not_torn_bytes(make_cluster, monkeypatch):
     """The batch's arena copies run once every owner has answered. Here they stall while another
     client overwrites the keys and the daemons' reapers release the expired leases (the old

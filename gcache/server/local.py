@@ -90,12 +90,20 @@ class LocalHandler(Handler):
             self._leases[lid] = lease
             return lid
 
-    def _take(self, lid: Any) -> _Lease | None:
+    def _take(self, lid: Any, to_commit: bool = False) -> _Lease | None:
+        """The lease ``lid``, no longer held by this connection (None: unknown or expired).
+        ``to_commit``: only a put lease (LALLOC); a read lease is refused and stays held (taken
+        and not released, its slots would stay pinned for good)."""
         with self._lease_lock:
             if not isinstance(lid, int):
                 return None
-            lease = self._leases.pop(lid, None)
-            return lease if lease is not None else self._overdue.pop(lid, None)
+            lease = self._leases.get(lid) or self._overdue.get(lid)
+            if lease is not None and to_commit and lease.reservations is None:
+                raise Refused(P.ErrorCode.BAD_META, f"lease {lid} is a read lease (LGET): LCOMMIT takes a put "
+                                                    "lease (LALLOC); it is still held, release it with LDONE")
+            self._leases.pop(lid, None)
+            self._overdue.pop(lid, None)
+            return lease
 
     def _drop(self, lease: _Lease) -> None:
         if lease.hits:
@@ -227,7 +235,7 @@ class LocalHandler(Handler):
         self.reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
 
     def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
-        lease = self._take(meta.get("ls"))
+        lease = self._take(meta.get("ls"), to_commit=True)
         if lease is None:
             raise Refused(P.ErrorCode.BAD_META, "lease unknown or expired: the values were not stored")
         reserved = lease.reservations or []
