@@ -6,12 +6,15 @@ The SGLang adapter stores full-attention KV and sliding-window pages in two pool
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from gcache.errors import ConfigError
 from gcache.protocol import Status
 from gcache.tier.pools import PoolBudget, PoolBudgets, parse_pool_meta
 from gcache.tier.store import Store, StoreConfig
+from tests.conftest import poll, read
 
 
 # -- pool budgets ---------------------------------------------------------------------------------------
@@ -110,3 +113,61 @@ def test_untagged_values_keep_plain_lru():
     for i in range(20):
         assert s.put(("ns", f"k{i}".encode()), b"x" * PAGE) is Status.OK
     assert _have(s, "ns", [f"k{i}".encode() for i in range(20)])[0] == b"k4"
+
+
+def _tail(store, key):
+    hit = store.acquire(key)
+    assert hit is not None, key
+    try:
+        return hit.meta.tail
+    finally:
+        store.release(hit)
+
+
+def _push_out(store, tag, n=20):
+    """Fill the pool with newer restore-point pages (evicted last within it) until the older
+    pages are out, and wait for the demoter."""
+    for i in range(n):
+        assert store.put(("ns", b"%s%d" % (tag, i)), b"f" * 4 * PAGE, pool="swa", tail=1) is Status.OK
+    assert store.flush()
+
+
+def test_a_tail_re_mark_holds_through_the_disk_tier(tiered):
+    """exists(tail=) re-marks a restore point's page wherever its value is (before: a value
+    promoted from disk kept its disk record with the old mark, and came back with it once
+    evicted again; a value only on disk was not re-marked at all). The mark orders a pool's
+    eviction, so a lost re-mark left a superseded window page protected and a restore point not."""
+    s = tiered(mem=16 * 4 * PAGE)
+    key = ("ns", b"page")
+    assert s.put(key, b"v" * 4 * PAGE, pool="swa", pos=3, tail=1) is Status.OK
+    _push_out(s, b"a")
+    assert key not in s.ram.index and s.nvme.index[key].meta.tail == 1  # on disk only
+    assert s.exists(key, tail=0)  # re-marked while only on disk: promoted and re-marked
+    assert key in s.ram.index and _tail(s, key) == 0
+    _push_out(s, b"b")
+    assert key not in s.ram.index
+    assert _tail(s, key) == 0  # promoted again: its disk record has the new mark
+    assert s.exists(key, tail=1)  # re-marked in RAM while a copy is on disk
+    _push_out(s, b"c")
+    assert key not in s.ram.index and _tail(s, key) == 1
+    assert read(s, key) == b"v" * 4 * PAGE
+
+
+def test_a_tail_re_mark_of_a_value_waiting_for_the_disk_is_written_with_it(tiered):
+    s = tiered(mem=16 * 4 * PAGE)
+    key, first = ("ns", b"page"), ("ns", b"first")
+    for k in (first, key):
+        assert s.put(k, b"v" * 4 * PAGE, pool="swa", pos=3, tail=1) is Status.OK
+    gate, write = threading.Event(), s.nvme.write
+    s.nvme.write = lambda p, v: gate.wait(10) and write(p, v)  # the demoter busy with ``first``
+    try:
+        with s._lock:
+            s._evict(first, s.ram.index[first])
+        assert poll(lambda: bool(s._writing), 5)
+        with s._lock:
+            s._evict(key, s.ram.index[key])  # queued behind it
+        assert s.exists(key, tail=0)
+    finally:
+        gate.set()
+    assert s.flush()
+    assert s.nvme.index[key].meta.tail == 0 and _tail(s, key) == 0

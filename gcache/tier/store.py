@@ -393,7 +393,12 @@ class Store:
 
     def exists_many(self, keys: Sequence[Key | None], tails: Sequence[int | None] | None = None) -> list[bool]:
         """exists() for each key (None: skipped, False) under one lock for the RAM part; a RAM
-        hit becomes most recent, ``tails[i]`` (not None) re-marks a pooled entry's tail flag."""
+        hit becomes most recent, ``tails[i]`` (not None) re-marks a pooled entry's tail flag,
+        wherever it is: in RAM (a copy on disk with the old mark is written again when the entry
+        is evicted), waiting for the disk, or only on disk (promoted to RAM to be re-marked; when
+        there is no room the mark stays as it was). A re-mark of a value the demoter is writing
+        just then, or one a restart brings back from its older disk record, keeps the old mark:
+        the mark orders eviction only (gcache.tier.pools), it never changes what a read returns."""
         disk: list[int] = []
         with self._lock:
             now = time.time()
@@ -403,11 +408,16 @@ class Store:
                 for key, e, tail in zip(keys, entries, tails):
                     if e is not None and tail is not None and e.group is not None and e.tail != tail:
                         e.group.touch(key, e, self.ram.bucket(now), tail)  # type: ignore[arg-type]
+                        e.on_disk = False  # the disk copy has the old mark: demoted again when evicted
             if not all(out):  # RAM misses: waiting for the disk, or on it
                 for i, key in enumerate(keys):
                     if not out[i] and key is not None:
-                        if self._queued(key, now) is not None:
+                        q = self._queued(key, now)
+                        if q is not None:
                             out[i] = True
+                            tail = tails[i] if tails is not None else None
+                            if tail is not None and q.group is not None and q not in self._writing:
+                                q.tail = tail  # the demoter writes its record with this mark
                         else:
                             disk.append(i)
         nvme = self.nvme
@@ -415,7 +425,32 @@ class Store:
             for i in disk:
                 key = keys[i]
                 out[i] = key is not None and nvme.contains(key)
+                tail = tails[i] if tails is not None else None
+                if out[i] and tail is not None:
+                    self._remark_on_disk(key, tail)  # type: ignore[arg-type]
         return out
+
+    def _remark_on_disk(self, key: Key, tail: int) -> None:
+        """exists_many's re-mark of a pooled value found only on disk: promoted, then re-marked
+        in RAM (and written again, with the new mark, when it is evicted)."""
+        assert self.nvme is not None
+        loc = self.nvme.lookup(key)
+        if loc is None:
+            return
+        self.nvme.done(loc)
+        if loc.meta.pool is None or loc.meta.tail == tail:
+            return
+        hit = self._acquire_from_disk(key)
+        if hit is None:
+            return
+        try:
+            with self._lock:
+                e = hit.entry
+                if e is not None and self.ram.index.get(key) is e and e.group is not None and e.tail != tail:
+                    e.group.touch(key, e, self.ram.bucket(time.time()), tail)
+                    e.on_disk = False
+        finally:
+            self.release(hit)
 
     def delete(self, key: Key, if_seq: int | None = None) -> bool:
         """Delete ``key`` (True if it was stored). With ``if_seq``, only if the stored value is
