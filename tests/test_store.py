@@ -118,6 +118,27 @@ def test_full_when_everything_is_pinned(ram_store):
     assert ram_store.put(("ns", b"b"), b"y" * 16 * KB) is Status.OK
 
 
+def test_a_value_that_cannot_fit_past_a_pinned_slot_evicts_nothing():
+    """A reader's pinned slot in the middle of the arena leaves two runs of ~half of it: a
+    larger value cannot fit however much is evicted. It is refused FULL with every other value
+    kept (before: all 14 were evicted first, then FULL)."""
+    s = Store(StoreConfig(mem_bytes=16 * 64 * KB, pretouch=False))
+    try:
+        keys = [("ns", b"k%02d" % i) for i in range(15)]
+        for k in keys:
+            assert s.put(k, b"v" * 64 * KB) is Status.OK
+        hit = s.acquire(("ns", b"k08"))
+        assert hit.entry.off == 8 * 64 * KB  # the arena's middle
+        assert s.put(("ns", b"big"), b"b" * 9 * 64 * KB) is Status.FULL
+        assert all(s.exists(k) for k in keys) and s.counters["evictions"] == 0
+        assert s.put(("ns", b"fits"), b"f" * 7 * 64 * KB) is Status.OK  # what can fit still evicts and fits
+        s.release(hit)
+        assert s.put(("ns", b"big"), b"b" * 9 * 64 * KB) is Status.OK  # unpinned: room can be made
+        assert read(s, ("ns", b"big")) == b"b" * 9 * 64 * KB
+    finally:
+        s.close()
+
+
 def test_too_large(ram_store):
     assert ram_store.put(("ns", b"big"), b"x" * 65 * KB) is Status.TOO_LARGE
 

@@ -49,6 +49,11 @@ class ExtentAllocator:
         self._flush_quick()
         return self._by_size[-1][0] if self._by_size else 0
 
+    def free_extents(self) -> list[tuple[int, int]]:
+        """(start, length) of each free range, quick-listed slots merged back first."""
+        self._flush_quick()
+        return list(self._by_start.items())
+
     def alloc(self, size: int) -> int | None:
         """Offset of a new slot of ``size`` bytes, or None if no free extent is large enough."""
         need = aligned(size)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from gcache.errors import ConfigError
 from gcache.protocol import DEFAULT_MAX_VALUE_BYTES, Status
+from gcache.tier.allocator import aligned
 from gcache.tier.arena import Arena
 from gcache.tier.eviction import EvictionConfig
 from gcache.tier.nvme import Location, NvmeTier
@@ -47,6 +48,10 @@ Guard = Callable[[], "Callable[[Key], bool] | None"]
 
 log = logging.getLogger(__name__)
 
+# _room_possible runs for values of at least 1/ROOM_CHECK_SHARE of the arena, in arenas of at
+# most ROOM_CHECK_MAX_KEYS values (a scan of the index, worth it only beside a large eviction)
+ROOM_CHECK_SHARE = 64
+ROOM_CHECK_MAX_KEYS = 200_000
 SETTLE_S = 10.0  # longest a write or delete waits for the demoter to invalidate a superseded record (_settle)
 
 
@@ -579,6 +584,8 @@ class Store:
         off = alloc.alloc(size)
         if off is not None:
             return off
+        if not self._room_possible(size, group):
+            return None  # FULL, without evicting values for a put that could not fit anyway
         sources = [self.ram.victims()] if group is None else [self.ram.victims(), group.victims()]
         for victims in sources:
             for key, entry in victims:
@@ -587,6 +594,30 @@ class Store:
                 if off is not None:
                     return off
         return None
+
+    def _room_possible(self, size: int, group: PoolGroup | None) -> bool:
+        """Lock held: whether evicting everything _make_room may evict (unpinned untagged
+        entries, and the pool's own for a pooled put) could free ``size`` contiguous bytes. A
+        slot that stays (pinned by a reader, reserved by a write, waiting for the disk, another
+        pool's) may split the arena so that no amount of eviction makes room for a large value.
+        Checked for large values only (a scan of the index): a small one always fits somewhere
+        once enough is evicted, unless nearly everything is pinned."""
+        alloc = self.ram.alloc
+        need = aligned(size)
+        if need * ROOM_CHECK_SHARE < alloc.capacity or len(self.ram.index) > ROOM_CHECK_MAX_KEYS:
+            return True
+        runs = alloc.free_extents()
+        runs += [(e.off, aligned(e.size)) for e in self.ram.index.values()
+                 if e.pins == 0 and (e.group is None or e.group is group)]
+        runs.sort()
+        start = end = 0
+        for s, n in runs:
+            if s != end:
+                start = s
+            end = s + n
+            if end - start >= need:
+                return True
+        return False
 
     def _evict(self, key: Key, entry: RamEntry) -> None:
         worth_disk = entry.group is not None or self.ram.policy.admit_to_disk(key)
