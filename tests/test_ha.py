@@ -260,6 +260,38 @@ def test_drain_keeps_99_percent_of_10k_keys(ha):
     assert hits >= 0.99 * len(keys)
 
 
+def test_a_draining_node_that_hangs_is_declared_down(ha):
+    """Drain a node that is stopped (SIGSTOP): before, it was never judged again, its handover
+    stayed open for as long as it stayed stopped, and every read of its keys waited out the
+    client's timeout on it. Now it is declared down like any silent node, the handover closes
+    and reads are fast misses. Stopped before it heard of the drain, it comes back when it
+    resumes as any node declared down does: a new incarnation, its data dropped."""
+    c = ha()
+    mc = master_client(c)
+    victim = c.daemons[2]
+    with Client(c.master_url, token=c.token, timeout_s=1.0, on_node_error=OnNodeError.MISS) as cl:
+        keys = [f"k{i}" for i in range(300)]
+        assert all(s is Status.OK for s in cl.put(keys, [b"v"] * len(keys)))
+        sigstop(victim.pid)
+        try:
+            mc.call("Drain", {"node": victim.node_id}, timeout_s=5)
+            assert poll(lambda: states(mc)[victim.node_id][0] == "down" and mc.membership()["transition"] is None,
+                        15), f"still {states(mc)[victim.node_id]}"
+            assert poll(lambda: victim.node_id not in cl.membership.owners() and cl.membership.previous is None, 5)
+            assert all(s is Status.OK for s in cl.put(keys[:50], [b"v2"] * 50))
+            t0 = time.monotonic()
+            got = cl.get(keys)
+            assert time.monotonic() - t0 < 0.5, "a read still waited on the stopped node"
+            assert [bytes(g) for g in got[:50]] == [b"v2"] * 50
+            assert all(g is None or bytes(g) == b"v" for g in got[50:])
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        assert poll(lambda: states(mc)[victim.node_id] == ("up", 2), 15)
+        for _ in range(20):  # nothing from before it was declared down comes back
+            got = cl.get(keys[:50])
+            assert all(g is None or bytes(g) == b"v2" for g in got)
+
+
 def test_join_keeps_95_percent_hits_during_and_after_handover(ha):
     c = ha()
     mc = master_client(c)

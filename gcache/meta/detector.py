@@ -2,7 +2,10 @@
 
 Every master records when it last heard each node's incarnation (``heard``). Only the leader acts:
 ``verdicts`` compares each owning node's silence with the thresholds and returns the state
-changes to propose (UP -> SUSPECT -> DOWN, and back to UP once heard again). Grace periods:
+changes to propose (UP -> SUSPECT -> DOWN, and back to UP once heard again; a DRAINING node
+silent past the DOWN threshold -> DOWN, so that its handover, which waits for its report, closes:
+before, a draining node that hung kept the handover open, and every read of its keys waiting on
+it, until it resumed). Grace periods:
 
 * a new leader counts silence from when it became leader, never from before;
 * so does a leader that did not run for a while (paused or starved past PAUSE_S: it heard
@@ -88,13 +91,17 @@ class FailureDetector:
             present = set()
             for node, inc, state in nodes:
                 present.add(node)
-                if state not in OWNING:
+                if state not in OWNING and state != "draining":
                     continue
                 seen = self._seen.get(node)
                 if seen is None or seen[0] != inc:  # not heard from this incarnation yet: full grace
                     self._seen[node] = (inc, now)
                     continue
                 silent = now - max(seen[1], self._leader_since)
+                if state == "draining":  # owns nothing: only a silent one matters (its handover waits on it)
+                    if silent > self.down_after_s:
+                        out.append(Verdict(node, inc, "down", silent))
+                    continue
                 target = ("down" if silent > self.down_after_s
                           else "suspect" if silent > self.suspect_after_s else "up")
                 if target != state:

@@ -99,6 +99,7 @@ class Agent:
         self.handovers = 0
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
+        self._was_draining = False  # some membership applied listed this node as draining (_drained_away)
         self.mode = Mode.REGISTERING
         self._transition: dict[str, Any] | None = None  # the newest membership's open handover
         self.touchlog = TouchLog()  # keys clients wrote or deleted here: a handover must not undo them
@@ -286,19 +287,24 @@ class Agent:
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
 
     def _drained_away(self) -> bool:
-        """Whether this node was draining by the last membership it applied: then a master that
+        """Whether this node has been draining (by any membership it applied): then a master that
         no longer knows it, or no longer lists this incarnation, means the drain completed (its
-        handover report was taken and the node removed), and it has left; registering again
-        would bring back an empty member the operator took out (seen: the heartbeat's "unknown
-        node" arrived before the handover loop marked the node left, and the node came back as
-        incarnation 1 of a new member, took a third of the ring, and fenced every request)."""
+        handover report was taken and the node removed), or that it was declared down while
+        draining (it hung, and the handover closed without it); either way it has left, and
+        registering again would bring back an empty member the operator took out (seen: the
+        heartbeat's "unknown node" arrived before the handover loop marked the node left, and the
+        node came back as incarnation 1 of a new member, took a third of the ring, and fenced
+        every request). A restarted daemon is a new start: it registers."""
         m = self.membership
         me = next((n for n in m.nodes if n.node_id == self.node_id), None) if m is not None else None
-        if me is None or me.state.value != "draining":
+        if me is not None and me.state.value == "draining":
+            self._was_draining = True
+        if not self._was_draining:
             return False
         if not self.left:
             self.left = True
-            log.info("drained: the masters no longer list this incarnation; this node has left the cluster")
+            log.info("drained: the masters no longer list this incarnation as draining (its drain completed, or "
+                     "it was declared down while draining); this node has left the cluster")
         return True
 
     def _leader_epoch(self, epoch: int) -> None:
@@ -536,6 +542,8 @@ class Agent:
                 return
             changed = membership.epoch != self.epoch
             self.membership, self.epoch = membership, membership.epoch
+            if any(n.node_id == self.node_id and n.state.value == "draining" for n in membership.nodes):
+                self._was_draining = True
             self._transition = m.get("transition")
             self.touchlog.set_handover_open(self._transition is not None)
         if build_now:
