@@ -60,6 +60,27 @@ def test_round_trip_and_replay(listener):
     assert replies and len(seen) == 2
 
 
+def test_replays_of_two_incarnations_in_turn_are_not_evidence_of_life(listener):
+    """Captured datagrams of a node's incarnations 1 and 2, replayed in turn: before, each one
+    of incarnation 1 reset the mark kept for the node, so the next one of incarnation 2 passed
+    again, and the dead node stayed up. Each is answered once, never again."""
+    lst, _address, seen = listener
+    k = beat_key(TOKEN)
+    one = seal(k, {"v": 1, "node": "a", "inc": 1, "seq": 5, "epoch": 0})
+    two = seal(k, {"v": 1, "node": "a", "inc": 2, "seq": 9, "epoch": 0})
+    answered = [lst._answer(d) is not None for d in (one, two, one, two, one, two)]
+    assert answered == [True, True, False, False, False, False]
+    assert [(r["inc"], r["seq"]) for r in seen] == [(1, 5), (2, 9)]
+
+
+def test_an_unauthenticated_reply_is_never_larger_than_its_request(listener):
+    lst, address, _seen = listener
+    assert lst._answer(b"x") is None  # a 1-byte datagram: no 15-byte answer to a spoofed source
+    junk = b"x" * 64
+    reply = lst._answer(junk)
+    assert reply is not None and len(reply) <= len(junk)
+
+
 def test_wrong_token_is_told_and_silent_masters_time_out(listener):
     _lst, address, seen = listener
     replies, auth = BeatClient([address], "wrong").round({"node": "a", "inc": 1, "epoch": 0}, 1.0)

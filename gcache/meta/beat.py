@@ -40,6 +40,7 @@ VERSION = 1
 MAC_LEN = 16
 MAX_DATAGRAM = 1024
 AUTH_ERROR = msgpack.packb({"v": VERSION, "error": "auth"})
+INCARNATIONS_KEPT = 4  # per node, the last seq taken of its newest incarnations
 
 
 def beat_key(token: str) -> bytes:
@@ -75,7 +76,7 @@ class BeatListener:
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.bind((host.strip("[]"), port))
         self.sock.settimeout(0.5)
-        self._last: dict[str, tuple[int, int]] = {}  # node -> (incarnation, seq) last taken
+        self._last: dict[str, dict[int, int]] = {}  # node -> {incarnation: seq last taken}, the newest few
         self._stop = threading.Event()
         self.answered = 0
         self.refused = 0
@@ -109,7 +110,7 @@ class BeatListener:
         req = unseal(self.key, data)
         if req is None:
             self.refused += 1
-            return AUTH_ERROR
+            return AUTH_ERROR if len(data) >= len(AUTH_ERROR) else None  # never larger than the request
         err = heartbeat_error(req) or int_error(req, "seq", 0, MAX_INT)
         if err is not None:  # sealed, so sent by a holder of the token: a bug, or another version
             self.refused += 1
@@ -117,10 +118,14 @@ class BeatListener:
             reply = seal(self.key, {"v": VERSION, "error": "bad request"})
             return reply if len(reply) <= len(data) else None
         node, inc, seq = req["node"], req["inc"], req["seq"]
-        last = self._last.get(node)
-        if last is not None and last[0] == inc and seq <= last[1]:
+        taken = self._last.setdefault(node, {})
+        if seq <= taken.get(inc, -1):
             return None  # a replay (or a duplicate): not evidence of life
-        self._last[node] = (inc, seq)
+        # per incarnation: a replayed datagram of an older one must not reset the newest one's
+        # mark (before, alternating replays of two incarnations kept a dead node up)
+        taken[inc] = seq
+        if len(taken) > INCARNATIONS_KEPT:
+            del taken[min(taken)]
         self.answered += 1
         return seal(self.key, {**self.handle(req), "v": VERSION, "seq": seq})
 
