@@ -22,14 +22,26 @@ NODES_ENV = "GCACHE_NODES"
 SCHEME = "gcache://"
 
 
+def token_error(token: str) -> str | None:
+    """Why ``token`` cannot be a cluster token (None: it can): it travels as a gRPC header, so
+    printable ASCII without spaces (gRPC refuses anything else, and the masters would look down)."""
+    if not all("!" <= c <= "~" for c in token):
+        return "a cluster token must be printable ASCII without spaces (it is sent as a gRPC header)"
+    return None
+
+
 def read_token_file(path: str) -> str:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             token = f.readline().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"token file {path!r} is not text (a cluster token is printable ASCII)") from None
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path!r}: {exc}") from None
     if not token:
         raise ConfigError(f"token file {path!r} is empty")
+    if err := token_error(token):
+        raise ConfigError(f"token file {path!r}: {err}")
     return token
 
 
@@ -38,7 +50,10 @@ def resolve_token(token_file: str | None = None) -> str | None:
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         return read_token_file(path)
-    return os.environ.get(TOKEN_ENV) or None
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    if token is not None and (err := token_error(token)):
+        raise ConfigError(f"${TOKEN_ENV}: {err}")
+    return token
 
 
 def resolve_cluster(nodes: str | list[str] | tuple[str, ...] | None = None,

@@ -81,6 +81,24 @@ def test_an_unauthenticated_reply_is_never_larger_than_its_request(listener):
     assert reply is not None and len(reply) <= len(junk)
 
 
+def test_a_master_name_that_does_not_resolve_is_left_out_not_fatal(listener, monkeypatch):
+    """One master whose name does not resolve (a rescheduled pod, its DNS record not back yet)
+    stopped every daemon from starting ("Name or service not known"). Now it is left out of the
+    UDP round (its heartbeats go over gRPC) and looked up again later."""
+    import gcache.meta.beat as beat
+
+    _lst, address, _seen = listener
+    client = BeatClient([address, "gcache-master-2.invalid:7300"], TOKEN)
+    replies, auth = client.round({"node": "a", "inc": 1, "epoch": 0}, 1.0)
+    assert replies == {address: {"ok": True, "epoch": 7}} and not auth
+    monkeypatch.setattr(beat, "RESOLVE_RETRY_S", 0.0)
+    looked = []
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: looked.append(host) or real(host, *a, **k))
+    client.round({"node": "a", "inc": 1, "epoch": 0}, 1.0)
+    assert "gcache-master-2.invalid" in looked  # tried again
+
+
 def test_wrong_token_is_told_and_silent_masters_time_out(listener):
     _lst, address, seen = listener
     replies, auth = BeatClient([address], "wrong").round({"node": "a", "inc": 1, "epoch": 0}, 1.0)

@@ -1,5 +1,7 @@
 """One token and cluster resolution for every entry point (gcache.env)."""
 
+import re
+
 import pytest
 
 from gcache.env import resolve_cluster, resolve_token
@@ -36,6 +38,43 @@ def test_unreadable_or_empty_token_file_is_a_clear_error(clean_env, tmp_path):
     clean_env.setenv("GCACHE_TOKEN", "ignored when the file is named")
     with pytest.raises(ConfigError, match="cannot read token file"):
         resolve_token()
+
+
+def test_a_token_that_cannot_be_a_grpc_header_is_a_clear_error(clean_env, tmp_path):
+    """A token file of random bytes raised UnicodeDecodeError (a traceback); a token with a
+    non-ASCII or control character reached gRPC, which refused the header, so every master
+    looked down ("no master answered")."""
+    from gcache import ClientConfig
+
+    garbage, accented, ctrl = tmp_path / "garbage", tmp_path / "accented", tmp_path / "ctrl"
+    garbage.write_bytes(bytes(range(128, 228)))
+    accented.write_text("t\u00f6k\u00e9n\n")
+    ctrl.write_text("a\x01b\n")
+    with pytest.raises(ConfigError, match="is not text"):
+        resolve_token(str(garbage))
+    for path in (accented, ctrl):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            resolve_token(str(path))
+    clean_env.setenv("GCACHE_TOKEN", "a b")
+    with pytest.raises(ConfigError, match="GCACHE_TOKEN"):
+        resolve_token()
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        ClientConfig(token="t\u00f6k")
+    assert ClientConfig(token="0123abcdef-_.~!").token == "0123abcdef-_.~!"
+
+
+def test_master_lists_are_checked_entry_by_entry():
+    """Before: a port that was not a number raised ValueError from deep inside (a traceback),
+    99999 connected to port 34463, and http:// or a bad entry said only "Name or service not
+    known"."""
+    from gcache.meta.master_client import parse_masters
+
+    assert parse_masters(" gcache://a:1 , [::1]:2/ ") == ["a:1", "[::1]:2"]
+    for spec, why in [("gcache://127.0.0.1:abc", "127.0.0.1:abc"), ("gcache://127.0.0.1:99999", "99999"),
+                      ("gcache://h:-1", "h:-1"), ("http://127.0.0.1:49885", "not http://"),
+                      ("gcache://a:1,b c:2", "b c:2"), ("gcache://", "expected")]:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            parse_masters(spec)
 
 
 def test_cluster_order_nodes_then_masters_then_env(clean_env):

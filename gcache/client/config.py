@@ -6,6 +6,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gcache.env import token_error
 from gcache.errors import ConfigError, GCacheError
 from gcache.protocol import namespace_error
 from gcache.transport import Transport
@@ -79,6 +80,8 @@ class ClientConfig:
             err = timeout_error(name, getattr(self, name))
             if err:
                 raise ConfigError(err)
+        if self.token is not None and (err := token_error(self.token)):
+            raise ConfigError(f"token: {err}")
         if self.split_bytes < 1 or self.split_keys < 1:
             raise ConfigError("split_bytes and split_keys must be >= 1")
         if self.max_idle_per_node < 0:

@@ -40,6 +40,7 @@ VERSION = 1
 MAC_LEN = 16
 MAX_DATAGRAM = 1024
 AUTH_ERROR = msgpack.packb({"v": VERSION, "error": "auth"})
+RESOLVE_RETRY_S = 10.0  # a master whose name did not resolve is looked up again this often
 INCARNATIONS_KEPT = 4  # per node, the last seq taken of its newest incarnations
 
 
@@ -138,11 +139,27 @@ class BeatClient:
 
     def __init__(self, addresses: list[str], token: str) -> None:
         self.key = beat_key(token)
+        self.addresses = list(addresses)
         self.targets: dict[tuple[Any, ...], str] = {}
-        for a in addresses:
+        self._resolved_at = 0.0
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Each master's UDP address. One whose name does not resolve (a master pod rescheduled,
+        its DNS record not back yet) is left out, said in a warning, and tried again every
+        RESOLVE_RETRY_S; its heartbeats go over gRPC meanwhile (MasterClient.heartbeat_all).
+        Before, one such name stopped the daemon from starting."""
+        targets: dict[tuple[Any, ...], str] = {}
+        for a in self.addresses:
             host, _, port = a.rpartition(":")
-            info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
-            self.targets[info[4][:2]] = a
+            try:
+                info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+            except OSError as exc:
+                limited.warning(f"resolve {a}", "master %s does not resolve (%s); its heartbeats go over gRPC "
+                                "until it does", a, exc)
+                continue
+            targets[info[4][:2]] = a
+        self.targets, self._resolved_at = targets, time.monotonic()
 
     @classmethod
     def next_seq(cls) -> int:
@@ -153,6 +170,8 @@ class BeatClient:
     def round(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, dict[str, Any]], bool]:
         """Send ``request`` to every master; ({master address: reply}, whether some master said
         the token is wrong) once all answered or ``timeout_s`` passed."""
+        if len(self.targets) < len(self.addresses) and time.monotonic() - self._resolved_at > RESOLVE_RETRY_S:
+            self._resolve()
         seq = self.next_seq()
         payload = seal(self.key, {**request, "v": VERSION, "seq": seq})
         replies: dict[str, dict[str, Any]] = {}

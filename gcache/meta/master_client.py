@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from gcache.env import SCHEME
+from gcache.meta.membership import address_error
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient
@@ -47,13 +48,21 @@ class Backoff:
 
 
 def parse_masters(spec: str | list[str]) -> list[str]:
-    """``gcache://h1:p1,h2:p2`` (or a plain list) -> [HOST:PORT, ...]."""
+    """``gcache://h1:p1,h2:p2`` (or a plain list) -> [HOST:PORT, ...]; ConfigError naming the
+    entry that is not a HOST:PORT (gcache.meta.membership.address_error)."""
+    given = spec
     if isinstance(spec, str):
-        spec = spec.removeprefix(SCHEME)
-        spec = spec.split(",")
+        spec = spec.strip()
+        if "://" in spec and not spec.startswith(SCHEME):
+            raise ConfigError(f"master list {given!r}: expected gcache://HOST:PORT[,HOST:PORT...] "
+                              f"(not {spec.split('://', 1)[0]}://)")
+        spec = spec.removeprefix(SCHEME).split(",")
     out = [s.strip().rstrip("/") for s in spec if s.strip()]
-    if not out or any(":" not in a for a in out):
-        raise ConfigError(f"master list {spec!r}: expected gcache://HOST:PORT[,HOST:PORT...]")
+    if not out:
+        raise ConfigError(f"master list {given!r}: expected gcache://HOST:PORT[,HOST:PORT...]")
+    for a in out:
+        if err := address_error(a):
+            raise ConfigError(f"master list {given!r}: {err}")
     return out
 
 

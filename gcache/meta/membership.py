@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +20,25 @@ class NodeState(enum.Enum):
     DRAINING = "draining"
 
 
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def address_error(address: str) -> str | None:
-    """Why ``address`` is not a HOST:PORT a node can be reached at (None: it is one). The masters
-    refuse a Register with such an address (gcache.meta.master), so no membership holds one."""
+    """Why ``address`` is not a HOST:PORT a node can be reached at (None: it is one): HOST is a
+    name or IPv4 address (letters, digits, ``-``, ``.``, ``_``) or a bracketed IPv6 address, PORT
+    1-65535 in ASCII digits. The masters refuse a Register with such an address
+    (gcache.meta.master), so no membership holds one."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) <= 65535 or any(c in host for c in ", \t"):
-        return f"address {address!r} is not HOST:PORT (a port 1-65535)"
+    ok_port = port.isascii() and port.isdigit() and 0 < int(port) <= 65535
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ok_host = isinstance(ipaddress.ip_address(host[1:-1]), ipaddress.IPv6Address)
+        except ValueError:
+            ok_host = False
+    else:
+        ok_host = _HOST_NAME.fullmatch(host) is not None
+    if not ok_port or not ok_host:
+        return f"address {address!r} is not HOST:PORT (a host name, IPv4 or [IPv6] address, and a port 1-65535)"
     return None
 
 

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-metrics", action="append", default=[], metavar="HOST:PORT",
                    help="a master's metrics address; repeatable")
     p.add_argument("--masters", default=None, help="gcache://HOST:PORT,... (or env GCACHE_MASTERS): ask each master")
-    p.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN)")
+    p.add_argument("--token-file", default=None, help="cluster token file (else $GCACHE_TOKEN_FILE, else $GCACHE_TOKEN)")
     p.add_argument("--timeout", type=argtypes.seconds, default=2.0,
                    help="seconds per probe (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
