@@ -36,6 +36,17 @@ class CallTimeout(GCacheError, TimeoutError):
         self.node = node
 
 
+class ClientForked(GCacheError):
+    """A Client used in a process forked from the one that made it. Its connections are the
+    parent's too (a reply could reach the other process: another key's bytes); each process
+    needs a Client of its own, made after the fork."""
+
+    def __init__(self, made_in: int) -> None:
+        super().__init__(f"this Client was made in process {made_in} and cannot be used after a fork (its "
+                         "connections are shared with that process); make a new Client in this process")
+        self.made_in = made_in
+
+
 class ProtocolError(GCacheError):
     """A frame broke the protocol (bad magic, version, lengths or metadata)."""
 

@@ -74,7 +74,7 @@ def test_replays_of_two_incarnations_in_turn_are_not_evidence_of_life(listener):
 
 
 def test_an_unauthenticated_reply_is_never_larger_than_its_request(listener):
-    lst, address, _seen = listener
+    lst, _address, _seen = listener
     assert lst._answer(b"x") is None  # a 1-byte datagram: no 15-byte answer to a spoofed source
     junk = b"x" * 64
     reply = lst._answer(junk)
@@ -85,7 +85,7 @@ def test_a_master_name_that_does_not_resolve_is_left_out_not_fatal(listener, mon
     """One master whose name does not resolve (a rescheduled pod, its DNS record not back yet)
     stopped every daemon from starting ("Name or service not known"). Now it is left out of the
     UDP round (its heartbeats go over gRPC) and looked up again later."""
-    import gcache.meta.beat as beat
+    from gcache.meta import beat
 
     _lst, address, _seen = listener
     client = BeatClient([address, "gcache-master-2.invalid:7300"], TOKEN)

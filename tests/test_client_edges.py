@@ -220,3 +220,48 @@ def test_a_deadline_shorter_than_timeout_s_ends_the_call_and_a_bad_one_is_refuse
                 cl.exists(["k"], deadline=bad)
             with pytest.raises(ValueError, match="deadline"):
                 cl.put(["k"], [b"v"], deadline=bad)
+
+
+@pytest.mark.parametrize("local", [LocalPath.OFF, LocalPath.FORCE])
+def test_a_client_used_after_a_fork_raises_and_the_parent_is_unaffected(make_cluster, local):
+    """A forked child shares the parent client's pooled connections: both could send the same
+    request id on one socket and take each other's reply (a probe: get() returned the other
+    process's value as a hit, on TCP and on the local path). In the child every call raises
+    ClientForked, whatever on_node_error says; closing the inherited client there leaves the
+    parent's connections alone; a new Client in the child works."""
+    import os
+
+    from gcache import ClientForked
+
+    c = make_cluster(nodes=2)
+    with Client(c.addresses, local=local, on_node_error=OnNodeError.MISS, timeout_s=5.0) as cl:
+        keys = [f"k{i}" for i in range(20)]
+        assert cl.put(keys, [k.encode() for k in keys]) == [Status.OK] * len(keys)
+        assert [bytes(v) for v in cl.get(keys)] == [k.encode() for k in keys]  # idle connections pooled
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit status only
+            code = 0
+            try:
+                for call in (lambda: cl.get(keys), lambda: cl.put(["x"], [b"x"]), lambda: cl.exists(keys),
+                             lambda: cl.stats()):
+                    try:
+                        call()
+                        code = 1
+                    except ClientForked:
+                        pass
+                cl.close()
+                with Client(c.addresses, local=local, timeout_s=5.0) as mine:
+                    if [bytes(v) for v in mine.get(keys)] != [k.encode() for k in keys]:
+                        code = 2
+            except BaseException:  # noqa: BLE001 - any surprise fails the test
+                code = 3
+            os.write(w, b"done")
+            os._exit(code)
+        os.close(w)
+        assert os.read(r, 4) == b"done"
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for _ in range(3):  # the parent's pooled connections survived the child's close
+            assert [bytes(v) for v in cl.get(keys)] == [k.encode() for k in keys]

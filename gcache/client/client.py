@@ -77,7 +77,9 @@ class Client:
         """``nodes``: ``"gcache://M1:PORT,M2:PORT"`` (the master group: membership is fetched and
         followed), a list of daemon HOST:PORT (a static cluster), or a Membership. ``config``:
         the settings (gcache.client.config.ClientConfig); keyword ``settings`` override its fields
-        (``Client(nodes, namespace="a", timeout_s=1.0)``)."""
+        (``Client(nodes, namespace="a", timeout_s=1.0)``). A Client serves the process that made
+        it (any number of its threads); in a process forked from that one, every call raises
+        ClientForked: make a new Client there (closing the inherited one is safe)."""
         try:
             cfg = replace(config or ClientConfig(), **settings)
         except TypeError as exc:  # an unknown setting
@@ -148,7 +150,8 @@ class Client:
 
     def close(self) -> None:
         if self._watcher is not None:
-            self._watcher.stop()
+            if self._pool.owned():  # in a forked child its thread and channel are not ours to stop
+                self._watcher.stop()
             self._watcher = None
         self._pool.close()
 
@@ -351,6 +354,7 @@ class Client:
         err = namespace_error(op.ns)
         if err:
             raise ValueError(err)
+        self._pool.check_process()  # raised whatever on_node_error says: never a miss
         if not keys:
             return
         failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys], deadline)
@@ -372,6 +376,7 @@ class Client:
                    timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
         """``op`` (with ``meta``) to each owning node (or ``nodes``: id -> address), all sent
         before any reply is read: {node: pick(reply)}, or {node: {"error": why}}."""
+        self._pool.check_process()
         targets = {n: a for n, a in (self._view.addr if nodes is None else nodes).items() if only in (None, n)}
         out: dict[str, dict[str, Any]] = {n: {} for n in targets}  # in the membership's order
         timeout = timeout_s or self.timeout_s

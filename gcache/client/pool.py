@@ -8,7 +8,7 @@ import threading
 import time
 
 from gcache.client.config import LocalPath
-from gcache.errors import ConnectionFailed, GCacheError, ProtocolError
+from gcache.errors import ClientForked, ConnectionFailed, GCacheError, ProtocolError
 from gcache.net.address import host_of, is_local_host
 from gcache.transport import Connection, Transport, open_connection
 
@@ -19,7 +19,12 @@ class Pool:
     """Idle connections per node; a checked-out connection belongs to one call at a time.
 
     With the local path on, a daemon on this host is reached over its Unix socket and its arena
-    is mapped once per daemon incarnation (shared by every connection to it)."""
+    is mapped once per daemon incarnation (shared by every connection to it).
+
+    A pool belongs to the process that made it: in a child forked from it every connection is
+    also the parent's (both could send the same request id on one socket and take each other's
+    reply: another key's value, or the other's arena offset), so there it hands out none
+    (ClientForked) and, closed, forgets them without touching the sockets."""
 
     def __init__(self, connect_timeout_s: float, max_idle_per_node: int = 8, token: str | None = None,
                  local: LocalPath = LocalPath.AUTO, transport: Transport = Transport.TCP) -> None:
@@ -33,9 +38,20 @@ class Pool:
         self.max_idle = max_idle_per_node
         self._idle: dict[str, list[Connection]] = {}
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def owned(self) -> bool:
+        """Whether this is the process that made this pool (not a child forked from it)."""
+        return os.getpid() == self._pid
+
+    def check_process(self) -> None:
+        """ClientForked in a process forked from the one that made this pool."""
+        if not self.owned():
+            raise ClientForked(self._pid)
 
     def idle(self, node: str, address: str) -> Connection | None:
         """An idle connection to ``node`` that is still good, or None."""
+        self.check_process()
         with self._lock:
             idle = self._idle.get(node)
             while idle:
@@ -54,6 +70,7 @@ class Pool:
         return self.local is LocalPath.FORCE or failed is None or time.monotonic() - failed > LOCAL_RETRY_S
 
     def get(self, node: str, address: str) -> Connection:
+        """A connection to ``node``: an idle one, else a new one (ClientForked in a forked child)."""
         conn = self.idle(node, address)
         if conn is not None:
             return conn
@@ -111,6 +128,8 @@ class Pool:
         return view, arena_id
 
     def put(self, conn: Connection) -> None:
+        if not self.owned():
+            return  # the parent's connection: left as it is
         if conn.broken or conn.pending:
             conn.close()
             return
@@ -125,5 +144,7 @@ class Pool:
         with self._lock:
             conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
+        if not self.owned():
+            return  # a forked child: the sockets are the parent's too (no shutdown, no reset)
         for conn in conns:
             conn.close()

@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 
 from gcache.env import SCHEME
-from gcache.meta.membership import address_error
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient
+from gcache.meta.membership import address_error
 
 
 class MasterUnavailable(GCacheError, ConnectionError):
