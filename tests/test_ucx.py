@@ -21,6 +21,7 @@ from gcache.transport import (
     Transport,
     ucx,
 )
+from tests.conftest import poll
 
 MiB = 1 << 20
 TLS = {"tcp": "tcp", "sm": "posix,cma,self"}
@@ -189,3 +190,90 @@ def test_an_authenticated_ucx_connection_may_idle_past_the_handshake_timeout(mak
         time.sleep(1.5)  # idle, authenticated: past the handshake timeout on purpose
         assert conn.idle_ok(), "the daemon closed an authenticated UCX connection that idled"
         assert client.get_one("k") == b"v"
+
+
+# -- hostile peers (a prober's findings; each test fails before its fix) -----------------------
+def _raw_ucx(address, addr_bytes=None):
+    """The client's UCX set-up done by hand: (stream, its set-up Connection), or the daemon's
+    refusal of ``addr_bytes`` as the worker address."""
+    import secrets
+
+    from gcache.protocol import Op
+    from gcache.transport import open_connection
+    from gcache.transport.ucx import setup
+
+    conn = open_connection("n", address, 5.0, None)
+    worker = setup.worker_for("127.0.0.1")
+    cid = secrets.randbits(62)
+    reply = conn.call(Op.UCX_CONNECT, {"addr": addr_bytes or worker.address.tobytes(), "cid": cid},
+                      time.monotonic() + 5)
+    ep = setup.endpoint(worker, "127.0.0.1", reply["addr"])
+    return ucx.UcxStream(worker, ep, 2 * cid, 2 * cid + 1, conn.stream), conn
+
+
+def _rss_kb(pid, field="VmHWM"):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.fixture
+def ucx_daemon(make_cluster):
+    with ucx_env(TLS["tcp"]):
+        yield make_cluster(nodes=1, mem="32MiB", extra_args=["--ucx", "--no-pretouch", "--max-value", "4MiB",
+                                                              "--progress-timeout", "0.5"])
+
+
+def test_a_malformed_worker_address_is_refused_and_the_daemon_lives(ucx_daemon):
+    """UCX_CONNECT with the single byte 0x02 as the worker address: UCX parsed it with an
+    assertion and aborted the daemon (SIGABRT)."""
+    from gcache import ServerError
+    from gcache.protocol import ErrorCode
+
+    c = ucx_daemon
+    for bad in (b"\x02", b"\x02" + os.urandom(60), b"\x12" + os.urandom(60)):
+        with pytest.raises(ServerError, match="worker address") as err:
+            _raw_ucx(c.addresses[0], bad)
+        assert err.value.code == ErrorCode.BAD_META
+    assert c.daemons[0].proc.poll() is None
+    with ucx_client(c, timeout_s=5.0) as client:
+        assert client.put_one("k", b"v") is Status.OK and client.get_one("k") == b"v"
+
+
+def test_a_huge_message_is_not_staged_whole(ucx_daemon):
+    """One tag message of 256 MiB (a PING header padded out): the daemon staged all of it (its
+    memory grew by the message's size). Now its connection is closed once the size is seen."""
+    from gcache import protocol as P
+
+    c = ucx_daemon
+    pid = c.daemons[0].pid
+    stream, _conn = _raw_ucx(c.addresses[0])
+    before = _rss_kb(pid)
+    msg = np.zeros(256 * MiB, np.uint8)
+    msg[:P.HEADER_SIZE] = np.frombuffer(P.pack_header(P.Op.PING, 0, 1, 0, 0), np.uint8)
+    stream.settimeout(10.0)
+    try:
+        stream.sendmsg([msg])
+    except OSError:
+        pass  # the daemon may close the connection first
+    with ucx_client(c, timeout_s=5.0) as client:  # still serving
+        assert client.put_one("k", b"v") is Status.OK
+    grown = _rss_kb(pid) - before
+    assert grown < 64 * 1024, f"the daemon's peak memory grew by {grown} KiB"
+    stream.close()
+
+
+def test_a_stalled_ucx_put_is_reset_and_releases_its_reservation(ucx_daemon):
+    """A PUT whose header announces 8 MiB of values that never come: over TCP the connection is
+    reset after --progress-timeout and the reservation released; over UCX it was held for as long
+    as the peer stayed connected."""
+    from gcache import protocol as P
+
+    c = ucx_daemon
+    with ucx_client(c, timeout_s=5.0) as client:
+        base = client.stats()[c.addresses[0]]["ram_used"]
+        stream, _conn = _raw_ucx(c.addresses[0])
+        meta = P.encode_meta({"ns": "default", "keys": [b"a", b"b"], "sizes": [4 * MiB, 4 * MiB]})
+        stream.sendmsg([P.pack_header(P.Op.PUT, 0, 1, len(meta), 8 * MiB) + meta])  # and nothing more
+        assert poll(lambda: client.stats()[c.addresses[0]].get("requests_stalled", 0) >= 1, 10)
+        assert poll(lambda: client.stats()[c.addresses[0]]["ram_used"] == base, 5)
+        stream.close()

@@ -15,8 +15,8 @@ payload is read) fails a receive that got no byte for that long; SO_SNDTIMEO (al
 the kernel's budget for one send call, which returns what it moved when the budget runs out,
 so the send after the last byte moved fails one to two timeouts later. Either bounds one
 blocked call, not the transfer: a slow but live peer moves a value of any size.
-``requests_stalled`` in the daemon's stats counts such connections. (Other streams, UCX's and
-in-memory ones, carry no such bound.)
+``requests_stalled`` in the daemon's stats counts such connections. Other streams (UCX's) take
+the same bound as a timeout on each of their calls while a request is served.
 """
 
 from __future__ import annotations
@@ -230,6 +230,9 @@ class Handler:
         payload_len = 0
         consumed = 0
         armed: socket.socket | None = None  # receives time out after progress_timeout_s without a byte
+        timed = self._sock is None and self.authed  # another stream: each call of this request is bounded
+        if timed:
+            self.stream.settimeout(self.ctx.config.progress_timeout_s)
         t0 = time.perf_counter()
         try:
             try:
@@ -323,6 +326,8 @@ class Handler:
             return False
         finally:
             self.frames.done()
+            if timed:
+                self.stream.settimeout(None)  # idle between requests for as long as it likes
             if armed is not None:
                 try:
                     armed.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, NO_TIMEOUT)
@@ -333,7 +338,8 @@ class Handler:
         """The connection failed mid-request; False (close it). A blocking receive or send of a
         socket that gave up (EAGAIN: SO_RCVTIMEO / SO_SNDTIMEO) means its peer stopped moving
         the payload or the reply: counted, and the connection reset (nothing left to deliver)."""
-        if isinstance(exc, BlockingIOError) and self._sock is not None:
+        if (isinstance(exc, BlockingIOError) and self._sock is not None) or (
+                isinstance(exc, TimeoutError) and self._sock is None and self.authed):
             self.ctx.count_stall()
             limited.warning("stalled", "reset the connection of %s: request %d's payload or reply moved no byte for "
                             "%gs (--progress-timeout); what it held is released (%d such so far)", self._peer(),

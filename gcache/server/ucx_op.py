@@ -8,6 +8,7 @@ import logging
 import socket
 from typing import Any
 
+from gcache import protocol as P
 from gcache.protocol import ErrorCode, Op
 from gcache.server.handler import Handler, Refused, ServerContext
 
@@ -31,8 +32,11 @@ def _serve(handler: Handler, host: str, req_id: int, meta: dict[str, Any]) -> No
     addr, cid = meta.get("addr"), meta.get("cid")
     if not isinstance(addr, bytes) or not isinstance(cid, int) or not 0 <= cid < 1 << 62:
         raise Refused(ErrorCode.BAD_META, "UCX_CONNECT needs 'addr' (worker address bytes) and 'cid' (int)")
-    try:
-        stream, mine = accept(handler.stream, host, addr, cid)
+    try:  # a message larger than its reader's buffer is staged: at most a header, metadata or a value
+        staged = P.HEADER_SIZE + max(P.MAX_META_BYTES, handler.store.config.max_value_bytes)
+        stream, mine = accept(handler.stream, host, addr, cid, staged)
+    except ValueError as exc:
+        raise Refused(ErrorCode.BAD_META, f"UCX_CONNECT: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - reported to the client
         raise Refused(ErrorCode.INTERNAL, f"UCX endpoint to the client failed: {exc}") from None
     handler.reply(Op.UCX_CONNECT, req_id, {"addr": mine})

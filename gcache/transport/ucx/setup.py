@@ -59,12 +59,31 @@ def worker_for(host: str) -> Any:
     return worker
 
 
+# A worker address is ~50-200 bytes; UCX parses one it is given with assertions, not checks.
+MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 8, 4096
+
+
+def address_error(worker: Any, peer: bytes) -> str | None:
+    """Why ``peer`` cannot be a worker address of this UCX build (None: it may be one). UCX
+    aborts the whole process on an address of another layout version (``address.c: Assertion
+    *addr_version == UCP_OBJECT_VERSION_V2 failed``: one UCX_CONNECT with the single byte 0x02
+    killed a daemon), so the version in the low bits of the first byte must be this worker's."""
+    if not MIN_ADDRESS_BYTES <= len(peer) <= MAX_ADDRESS_BYTES:
+        return f"a worker address of {len(peer)} bytes (expected {MIN_ADDRESS_BYTES}-{MAX_ADDRESS_BYTES})"
+    own = worker.address.tobytes()
+    if (peer[0] & 0x0F) != (own[0] & 0x0F):
+        return f"a worker address of layout version {peer[0] & 0x0F} (this UCX writes {own[0] & 0x0F})"
+    return None
+
+
 def endpoint(worker: Any, host: str, peer: bytes) -> Any:
-    """An endpoint to the worker at ``peer``. With error handling where the transports allow it:
-    without it, destroying a TCP endpoint whose peer has gone spins (measured: the thread never
-    ends); shared-memory-only endpoints refuse it ("Destination is unreachable") and tear down
-    cleanly without it."""
+    """An endpoint to the worker at ``peer`` (ValueError when it cannot be an address). With error
+    handling where the transports allow it: without it, destroying a TCP endpoint whose peer has
+    gone spins (measured: the thread never ends); shared-memory-only endpoints refuse it
+    ("Destination is unreachable") and tear down cleanly without it."""
     ucx, _ = lib()
+    if err := address_error(worker, peer):
+        raise ValueError(err)
     address = ucx.UCXAddress.create_from_buffer(peer)
     tls = {t.strip() for t in str(_context(host).config.get("TLS", "all")).split(",") if t.strip()}
     if tls and tls <= _SHM_TLS:
@@ -104,14 +123,18 @@ def dial(stream: Stream, address: str, call: Call) -> UcxStream:
     peer = reply.get("addr")
     if not isinstance(peer, bytes):
         raise ConnectionError("UCX_CONNECT reply without a worker address")
-    ep = endpoint(worker, host, peer)
+    try:
+        ep = endpoint(worker, host, peer)
+    except ValueError as exc:  # checked before UCX parses it: a bad one would abort this process
+        raise ConnectionError(f"UCX_CONNECT reply: {exc}") from None
     return UcxStream(worker, ep, 2 * cid, 2 * cid + 1, stream)
 
 
-def accept(stream: Stream, host: str, peer: bytes, cid: int) -> tuple[UcxStream, bytes]:
+def accept(stream: Stream, host: str, peer: bytes, cid: int,
+           max_staged: int | None = None) -> tuple[UcxStream, bytes]:
     """The daemon's side of UCX_CONNECT on ``stream`` (the TCP connection it came in on): a
     worker and an endpoint to the client's worker ``peer``; returns the stream and the worker
-    address to answer with."""
+    address to answer with. ``max_staged``: UcxStream's bound on a message staged whole."""
     worker = worker_for(host)
     ep = endpoint(worker, host, peer)
-    return UcxStream(worker, ep, 2 * cid + 1, 2 * cid, stream), worker.address.tobytes()
+    return UcxStream(worker, ep, 2 * cid + 1, 2 * cid, stream, max_staged), worker.address.tobytes()

@@ -35,7 +35,8 @@ class UcxStream:
 
     pollable = False
 
-    def __init__(self, worker: Any, ep: Any, send_tag: int, recv_tag: int, watch: Stream) -> None:
+    def __init__(self, worker: Any, ep: Any, send_tag: int, recv_tag: int, watch: Stream,
+                 max_staged: int | None = None) -> None:
         ucx, self._Array = lib()
         self._w, self._ep = worker, ep
         self._stag, self._rtag = ucx.UCXXTag(send_tag), ucx.UCXXTag(recv_tag)
@@ -46,6 +47,9 @@ class UcxStream:
         self._poller.register(self._wfd, _EVENTS)
         self._timeout: float | None = None
         self._rest: memoryview | None = None  # staged bytes of a message not yet handed out
+        # the largest message received into a buffer of its own when the reader's is smaller
+        # (None: any): its size is the peer's word, so a daemon bounds it (a 1 GiB PING cost 1 GiB)
+        self.max_staged = max_staged
         self._posted: list[tuple[Any, Any]] = []  # sends posted in non-blocking mode: (request, array) pairs
         self._closed = False
 
@@ -121,6 +125,9 @@ class UcxStream:
         if size <= len(view):  # the common case: straight into the destination
             self._complete([self._w.tag_recv_with_handle(self._Array(view[:size]), info)], deadline)
             return size
+        if self.max_staged is not None and size > self.max_staged:
+            raise ConnectionResetError(f"UCX peer {self.peer()} sent a message of {size} bytes where at most "
+                                       f"{self.max_staged} may be staged")
         stage = memoryview(bytearray(size))
         self._complete([self._w.tag_recv_with_handle(self._Array(stage), info)], deadline)
         view[:] = stage[: len(view)]
