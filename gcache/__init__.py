@@ -9,6 +9,7 @@ from typing import Any
 
 from gcache.errors import (
     CallTimeout,
+    ClientClosed,
     ClientForked,
     ConfigError,
     ConnectionFailed,
@@ -22,7 +23,7 @@ _LAZY = {"Client": "gcache.client", "ClientConfig": "gcache.client", "GetResult"
          "LocalPath": "gcache.client", "OnNodeError": "gcache.client"}
 
 __all__ = [
-    "CallTimeout", "Client", "ClientConfig", "ClientForked", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult", "LocalPath",
+    "CallTimeout", "Client", "ClientClosed", "ClientConfig", "ClientForked", "ConfigError", "ConnectionFailed", "GCacheError", "GetResult", "LocalPath",
     "OnNodeError", "ProtocolError", "ServerError", "Status",
 ]
 __version__ = "0.1.0"

@@ -47,6 +47,13 @@ class ClientForked(GCacheError):
         self.made_in = made_in
 
 
+class ClientClosed(GCacheError):
+    """A call on a Client after its close()."""
+
+    def __init__(self) -> None:
+        super().__init__("this Client is closed")
+
+
 class ProtocolError(GCacheError):
     """A frame broke the protocol (bad magic, version, lengths or metadata)."""
 

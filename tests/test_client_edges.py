@@ -265,3 +265,46 @@ def test_a_client_used_after_a_fork_raises_and_the_parent_is_unaffected(make_clu
         assert os.waitstatus_to_exitcode(status) == 0
         for _ in range(3):  # the parent's pooled connections survived the child's close
             assert [bytes(v) for v in cl.get(keys)] == [k.encode() for k in keys]
+
+
+def test_a_closed_client_refuses_calls_and_keeps_no_connection(make_cluster):
+    """A probe: calls after close() worked silently (opening new connections), and calls running
+    during close() put their connections back into the closed client's pool."""
+    from gcache import ClientClosed
+
+    c = make_cluster(nodes=1)
+    cl = Client(c.addresses, timeout_s=5.0)
+    assert cl.put(["k"], [b"v"]) == [Status.OK]
+    conn = cl._pool.get(c.daemons[0].node_id, c.addresses[0])  # a call running across the close
+    cl.close()
+    cl._pool.put(conn)  # ...ends: its connection is closed, not pooled
+    assert conn.broken and not any(cl._pool._idle.values())
+    for call in (lambda: cl.get(["k"]), lambda: cl.put(["k"], [b"w"]), lambda: cl.exists(["k"]), cl.stats):
+        with pytest.raises(ClientClosed):
+            call()
+    cl.close()  # twice is fine
+
+
+def test_a_stalled_daemon_does_not_make_the_others_look_failed(make_cluster):
+    """stats() and clear() read the daemons' replies one after another against one deadline: a
+    stalled daemon first in line ran it out, and every daemon after it was reported failed
+    though it had answered (and clear() said those keep their keys, having deleted them)."""
+    import os
+
+    c = make_cluster(nodes=3)
+    with Client(c.addresses, timeout_s=1.0, on_node_error=OnNodeError.MISS) as cl:
+        keys = [f"k{i}" for i in range(60)]
+        assert cl.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
+        first = next(iter(cl._view.addr))
+        stalled = next(d for d in c.daemons if first in (d.node_id, d.address))
+        sigstop(stalled.pid)
+        try:
+            stats = cl.stats()
+            assert set(stats) == set(cl._view.addr)
+            assert "error" in stats[first]
+            answered = [n for n in stats if n != first]
+            assert all("ram_used" in stats[n] for n in answered), stats
+            result = cl.clear(namespace="default")
+            assert set(result.failed) == {first} and set(result.deleted) == set(answered)
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)

@@ -10,6 +10,7 @@ the caller's buffers with recv_into.
 from __future__ import annotations
 
 import math
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,13 +27,13 @@ from gcache.client.replies import OK, Dest, parts
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.env import SCHEME
-from gcache.errors import ConfigError, GCacheError
+from gcache.errors import CallTimeout, ConfigError, GCacheError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership, NodeState
 from gcache.meta.rpc import CLIENT_CHANNEL_OPTIONS, load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
-from gcache.transport import Transport
+from gcache.transport import Connection, Transport
 
 CLEAR_TIMEOUT_S = 30.0  # a clear deletes a namespace's every key: longer than a batch call
 CLEAR_ROUNDS = 3  # a clear is sent again to a membership that changed meanwhile, at most this often
@@ -354,7 +355,7 @@ class Client:
         err = namespace_error(op.ns)
         if err:
             raise ValueError(err)
-        self._pool.check_process()  # raised whatever on_node_error says: never a miss
+        self._pool.check_usable()  # raised whatever on_node_error says: never a miss
         if not keys:
             return
         failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys], deadline)
@@ -376,7 +377,7 @@ class Client:
                    timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
         """``op`` (with ``meta``) to each owning node (or ``nodes``: id -> address), all sent
         before any reply is read: {node: pick(reply)}, or {node: {"error": why}}."""
-        self._pool.check_process()
+        self._pool.check_usable()
         targets = {n: a for n, a in (self._view.addr if nodes is None else nodes).items() if only in (None, n)}
         out: dict[str, dict[str, Any]] = {n: {} for n in targets}  # in the membership's order
         timeout = timeout_s or self.timeout_s
@@ -392,12 +393,37 @@ class Client:
                 out[node] = {"error": str(exc)}
                 if conn is not None:
                     conn.close()
-        for node, conn in sent:
-            try:
-                reply, _ = conn.recv_reply(deadline)
-                out[node] = dict(pick(reply))
-                self._pool.put(conn)
-            except GCacheError as exc:
-                out[node] = {"error": str(exc)}
-                conn.close()
+        # replies in the order they arrive: read one after another, a stalled daemon ran out the
+        # deadline and every daemon after it was reported failed though it had answered (a
+        # clear then said "keeps its keys" of daemons that had deleted them)
+        waiting = dict(sent)
+        while waiting:
+            for node in self._answered(waiting, deadline):
+                conn = waiting.pop(node)
+                try:
+                    reply, _ = conn.recv_reply(deadline)
+                    out[node] = dict(pick(reply))
+                    self._pool.put(conn)
+                except GCacheError as exc:
+                    out[node] = {"error": str(exc)}
+                    conn.close()
+            if time.monotonic() >= deadline:
+                for node, conn in waiting.items():
+                    out[node] = {"error": str(CallTimeout(node, timeout))}
+                    conn.close()
+                break
         return out
+
+    @staticmethod
+    def _answered(waiting: dict[str, Connection], deadline: float) -> list[str]:
+        """Nodes of ``waiting`` whose reply has started to arrive (or whose connection ended), by
+        ``deadline``; a stream that cannot be polled counts as ready (read in turn, as before)."""
+        polled = {c.stream.fileno(): n for n, c in waiting.items() if c.stream.pollable}
+        ready = [n for n, c in waiting.items() if not c.stream.pollable or c.buffered]
+        if ready or not polled:
+            return ready or list(waiting)
+        poller = select.poll()
+        for fd in polled:
+            poller.register(fd, select.POLLIN)
+        wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        return [polled[fd] for fd, _ev in poller.poll(wait_ms)]

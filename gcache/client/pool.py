@@ -8,7 +8,7 @@ import threading
 import time
 
 from gcache.client.config import LocalPath
-from gcache.errors import ClientForked, ConnectionFailed, GCacheError, ProtocolError
+from gcache.errors import ClientClosed, ClientForked, ConnectionFailed, GCacheError, ProtocolError
 from gcache.net.address import host_of, is_local_host
 from gcache.transport import Connection, Transport, open_connection
 
@@ -39,19 +39,23 @@ class Pool:
         self._idle: dict[str, list[Connection]] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self.closed = False
 
     def owned(self) -> bool:
         """Whether this is the process that made this pool (not a child forked from it)."""
         return os.getpid() == self._pid
 
-    def check_process(self) -> None:
-        """ClientForked in a process forked from the one that made this pool."""
+    def check_usable(self) -> None:
+        """ClientForked in a process forked from the one that made this pool; ClientClosed once
+        it is closed."""
         if not self.owned():
             raise ClientForked(self._pid)
+        if self.closed:
+            raise ClientClosed()
 
     def idle(self, node: str, address: str) -> Connection | None:
         """An idle connection to ``node`` that is still good, or None."""
-        self.check_process()
+        self.check_usable()
         with self._lock:
             idle = self._idle.get(node)
             while idle:
@@ -130,7 +134,7 @@ class Pool:
     def put(self, conn: Connection) -> None:
         if not self.owned():
             return  # the parent's connection: left as it is
-        if conn.broken or conn.pending:
+        if conn.broken or conn.pending or self.closed:  # (a call that was running at close)
             conn.close()
             return
         with self._lock:
@@ -141,9 +145,14 @@ class Pool:
         conn.close()
 
     def close(self) -> None:
+        """Close the idle connections; connections of calls still running are closed as they end,
+        and later calls raise ClientClosed. The arena mappings go with the last view of them."""
         with self._lock:
+            self.closed = True
             conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
+            self._arenas.clear()
+            self._rw_arenas.clear()
         if not self.owned():
             return  # a forked child: the sockets are the parent's too (no shutdown, no reset)
         for conn in conns:

@@ -80,6 +80,11 @@ class Connection:
             raise
 
     @property
+    def buffered(self) -> bool:
+        """Whether bytes of a reply are already read into this connection's buffer."""
+        return self._r1 > self._r0
+
+    @property
     def pending(self) -> bool:
         """Whether a request on this connection is still unanswered."""
         return bool(self._pending)
