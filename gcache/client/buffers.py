@@ -19,8 +19,12 @@ def _torch_view(obj: Any) -> memoryview | None:
                         "pass device tensors as whole values")
     if not obj.is_contiguous():
         raise ValueError("tensor is not contiguous; call .contiguous() first")
-    flat = obj.detach().reshape(-1)
-    return memoryview(flat.view(__import__("torch").uint8).numpy())
+    try:
+        flat = obj.detach().reshape(-1)
+        return memoryview(flat.view(__import__("torch").uint8).numpy())
+    except RuntimeError as exc:  # a conjugate or negative view, a stride-0 expansion, ...
+        raise ValueError(f"this tensor's memory cannot be used as a buffer ({exc}); pass a contiguous "
+                         ".clone() of it") from None
 
 
 def as_view(obj: Any, writable: bool = False) -> memoryview:
@@ -37,13 +41,17 @@ def as_view(obj: Any, writable: bool = False) -> memoryview:
         else:
             try:
                 view = memoryview(obj)
-            except TypeError:
+            except (TypeError, ValueError) as exc:  # no buffer; or numpy's refusal (datetime64: ValueError)
                 raise TypeError(f"{type(obj).__name__} does not expose a buffer (use bytes, bytearray, "
-                                "memoryview, a numpy array or a CPU tensor)") from None
+                                f"memoryview, a numpy array or a CPU tensor): {exc}") from None
+    if "O" in view.format:  # object references: pointers into this process, meaningless as bytes
+        raise TypeError(f"{type(obj).__name__} holds Python objects (format {view.format!r}), not data")
     if not view.c_contiguous:
         raise ValueError("buffer is not C-contiguous; make a contiguous copy first")
     if writable and view.readonly:
         raise TypeError(f"{type(obj).__name__} is read-only; get_into needs a writable buffer")
+    if view.nbytes == 0:
+        return memoryview(b"") if not writable else memoryview(bytearray())  # an empty array of any shape
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view

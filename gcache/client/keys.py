@@ -12,7 +12,10 @@ def key_bytes(key: KeyLike) -> bytes:
     if isinstance(key, bytes):
         return key
     if isinstance(key, str):
-        return key.encode()
+        try:
+            return key.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate
+            raise ValueError(f"key {key[:64]!r} cannot be encoded as UTF-8 ({exc.reason})") from None
     raise TypeError(f"keys are str or bytes, got {type(key).__name__}")
 
 
