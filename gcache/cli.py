@@ -139,14 +139,26 @@ def cmd_drain(args: argparse.Namespace) -> int:
             return 0
         deadline = time.monotonic() + args.timeout
         t0 = time.monotonic()
-        while time.monotonic() < deadline:
-            m = mc.membership()
-            if not any(r["id"] == args.node for r in m["nodes"]):
-                print(f"{args.node} drained and left the cluster in {time.monotonic() - t0:.1f}s (epoch {m['epoch']})")
-                return 0
-            print(f"  waiting for {args.node} to hand its keys over ({time.monotonic() - t0:.0f}s)", end="\r",
-                  flush=True)
-            time.sleep(0.2)
+        try:
+            while time.monotonic() < deadline:
+                m = mc.membership()
+                rec = next((r for r in m["nodes"] if r["id"] == args.node), None)
+                if rec is None:
+                    print(f"{args.node} drained and left the cluster in {time.monotonic() - t0:.1f}s "
+                          f"(epoch {m['epoch']})")
+                    return 0
+                if rec["state"] == "down":
+                    print(f"\ngcache drain: {args.node} stopped answering while it drained and was declared down; "
+                          "the handover closed without the keys it had not handed over (they are misses now)",
+                          file=sys.stderr)
+                    return 1
+                print(f"  waiting for {args.node} to hand its keys over ({time.monotonic() - t0:.0f}s)", end="\r",
+                      flush=True)
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            print(f"\ngcache drain: interrupted; the drain of {args.node} goes on in the cluster "
+                  "(gcache status shows it)", file=sys.stderr)
+            return 130
         print(f"gcache drain: {args.node} did not finish within {args.timeout}s", file=sys.stderr)
         return 1
     finally:
@@ -480,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a command says what goes on, if anything)
+        print(f"\ngcache {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     except GCacheError as exc:
         hint = f"; {AUTH_HINT}" if isinstance(exc, ServerError) and exc.code == ErrorCode.AUTH else ""
         print(f"gcache {args.cmd}: {exc}{hint}", file=sys.stderr)

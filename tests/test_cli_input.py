@@ -254,3 +254,26 @@ def test_argument_checks_accept_the_good_values():
     assert argtypes.port("0") == 0 and argtypes.port("65535") == 65535
     assert argtypes.count("1") == 1 and argtypes.count_or_zero("0") == 0
     assert argtypes.size("512MiB") == "512MiB" and argtypes.log_level("debug") == "DEBUG"
+
+
+def test_a_config_nested_thousands_deep_is_a_syntax_problem_not_a_traceback(tmp_path):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    p = subprocess.run([*GCACHE, "config", "check", str(deep)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "nested too deeply" in p.stderr
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(capsys, monkeypatch):
+    from gcache import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "cmd").choices["stats"]
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    sub.set_defaults(fn=interrupted)
+    assert cli.main(["stats", "--nodes", "127.0.0.1:1"]) == 130
+    err = capsys.readouterr().err
+    assert "gcache stats: interrupted" in err and "Traceback" not in err

@@ -82,3 +82,36 @@ gcache_request_seconds_sum{op="get"} 0.015
     m = parse_text(text)
     assert histogram_quantile(m, "get", 0.5) == pytest.approx(0.0015)
     assert histogram_quantile(m, "put", 0.5) == 0.0
+
+
+def test_idle_connections_to_the_metrics_port_are_bounded_and_closed(monkeypatch):
+    """A probe held 50 half-sent requests open for a minute: 50 threads, and the listen queue
+    (5) full. Now idle connections are closed after READ_TIMEOUT_S, at most MAX_CONNECTIONS are
+    served at once, and a probe still answers meanwhile."""
+    import socket
+    import threading
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from gcache.ops import health
+
+    monkeypatch.setattr(health, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(health._Quiet, "timeout", 0.5)
+    monkeypatch.setattr(health, "MAX_CONNECTIONS", 8)
+    srv = health.HealthServer(CollectorRegistry(), lambda: {"up": (True, "")}, lambda: {"up": (True, "")})
+    try:
+        host, port = srv.address.rsplit(":", 1)
+        before = threading.active_count()
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(30)]
+        for s in idle:
+            s.sendall(b"GET /metr")  # half a request, then nothing
+        assert threading.active_count() - before <= 8 + 1
+        with urllib.request.urlopen(f"http://{srv.address}/healthz", timeout=5) as r:
+            assert r.status == 200
+        for s in idle:  # each is closed by the server once it has idled READ_TIMEOUT_S
+            assert s.recv(1024) is not None
+            s.close()
+        assert poll(lambda: threading.active_count() <= before + 1, 10)
+    finally:
+        srv.stop()

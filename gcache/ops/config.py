@@ -265,6 +265,8 @@ def check_text(text: str, validators: dict[str, Validator] | None = None) -> tup
     except tomllib.TOMLDecodeError as exc:
         line, col = syntax_position(str(exc))
         return {}, [Problem(line, col, "", f"TOML syntax error: {exc}")]
+    except RecursionError:  # arrays or tables nested thousands deep: no config is like that
+        return {}, [Problem(1, 1, "", "TOML nested too deeply to read")]
     lines = key_lines(text)
     problems: list[tuple[tuple, str]] = []
     for section, body in doc.items():

@@ -46,11 +46,41 @@ def report(probe: Probe) -> dict[str, Any]:
             "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}}
 
 
+MAX_CONNECTIONS = 64  # scrapes and probes served at once; more wait in the listen queue
+READ_TIMEOUT_S = 10.0  # a connection that sends no request (or half of one) for this long is closed
+
+
 class _Threading(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most MAX_CONNECTIONS at once (a slowloris of 50 idle
+    connections held 50 threads for good; the listen queue held 5)."""
+
     daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(timeout=READ_TIMEOUT_S):
+            self.shutdown_request(request)  # every slot held that long: this one is dropped
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S  # per read: a connection that stops sending is closed
+
     def log_message(self, *args: Any) -> None:
         pass
 

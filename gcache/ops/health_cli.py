@@ -47,7 +47,7 @@ def probe_http(address: str, timeout_s: float) -> dict[str, Any]:
 
 def probe_masters(url: str, token_file: str | None, timeout_s: float) -> list[dict[str, Any]]:
     from gcache.errors import GCacheError
-    from gcache.meta.master_client import MasterClient, parse_masters
+    from gcache.meta.master_client import AuthFailed, MasterClient, parse_masters
     from gcache.meta.rpc import load_token
 
     token = load_token(token_file or os.environ.get("GCACHE_TOKEN_FILE"))
@@ -67,6 +67,8 @@ def probe_masters(url: str, token_file: str | None, timeout_s: float) -> list[di
             row["checks"]["nodes"] = {"ok": not bad, "detail": f"epoch {m['epoch']}: {len(m['nodes'])} nodes"
                                       + (f"; not up: {', '.join(bad)}" if bad else ", all up")}
             row["ready"] = row["ready"] and not bad
+        except AuthFailed as exc:  # it answered: up, but this command's token is not the cluster's
+            row.update(live=True, ready=False, refused=True, checks={"token": {"ok": False, "detail": str(exc)}})
         except GCacheError as exc:
             row.update(live=False, ready=False, checks={"reachable": {"ok": False, "detail": str(exc)}})
         finally:
@@ -91,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": ok, "targets": rows}, indent=2, sort_keys=True))
     else:
         for r in rows:
-            state = "READY" if r["live"] and r["ready"] else ("LIVE" if r["live"] else "DOWN")
+            state = ("REFUSED" if r.get("refused") else "READY" if r["live"] and r["ready"]
+                     else "LIVE" if r["live"] else "DOWN")
             why = "; ".join(f"{k}: {c['detail']}" for k, c in r["checks"].items() if not c["ok"]) or \
                 "; ".join(c["detail"] for c in r["checks"].values())
-            print(f"{r['kind']:<7} {r['target']:<22} {state:<6} {why}")
+            print(f"{r['kind']:<7} {r['target']:<22} {state:<7} {why}")
         print("healthy" if ok else "NOT healthy")
     return 0 if ok else 1
