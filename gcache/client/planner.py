@@ -12,9 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gcache.client.replies import NOT_FOUND, NOT_OWNER
-from gcache.protocol import MAX_BATCH_KEYS, Status
-
-MAX_REQUESTS_PER_OWNER = 8  # requests to one owner in one round, at most (plan)
+from gcache.protocol import Status
 
 
 @dataclass(frozen=True)
@@ -49,28 +47,14 @@ def split(idxs: list[int], sizes: Sequence[int] | None, split_bytes: int, split_
     return out
 
 
-def at_most(chunks: list[list[int]], most: int) -> list[list[int]]:
-    """``chunks`` (one owner's requests, in order) as at most ``most`` requests of about the same
-    number of keys (more only where one would carry over MAX_BATCH_KEYS)."""
-    if len(chunks) <= most:
-        return chunks
-    idxs = [i for chunk in chunks for i in chunk]
-    n = max(most, -(-len(idxs) // MAX_BATCH_KEYS))
-    step = -(-len(idxs) // n)
-    return [idxs[i:i + step] for i in range(0, len(idxs), step)]
-
-
 def plan(which: Sequence[int], owners: Sequence[str], sizes: Sequence[int] | None, split_bytes: int,
-         split_keys: int, by_keys_only: Callable[[str], bool] | None = None,
-         most: int = MAX_REQUESTS_PER_OWNER) -> list[Request]:
-    """The requests of one round over positions ``which`` owned by ``owners``: at most ``most``
-    per owner (each one without an idle connection costs a new connection and a thread, so a
-    batch of 100,000 small keys split 64 keys a request opened ~1,500 at once). Owners for which
+         split_keys: int, by_keys_only: Callable[[str], bool] | None = None) -> list[Request]:
+    """The requests of one round over positions ``which`` owned by ``owners``. Owners for which
     ``by_keys_only(node)`` holds are split by key count alone (the local path: its requests
     carry offsets, not bytes, and the client does the copying)."""
     return [Request(node, chunk) for node, idxs in by_owner(which, owners).items()
-            for chunk in at_most(split(idxs, None if by_keys_only is not None and by_keys_only(node) else sizes,
-                                       split_bytes, split_keys), most)]
+            for chunk in split(idxs, None if by_keys_only is not None and by_keys_only(node) else sizes,
+                               split_bytes, split_keys)]
 
 
 def to_retry(status: Sequence[Status]) -> list[int]:

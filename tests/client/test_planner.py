@@ -37,25 +37,6 @@ def test_plan_splits_local_path_owners_by_key_count_only():
     assert reqs == [Request("a", [0, 2]), Request("b", [1]), Request("b", [3])]
 
 
-def test_plan_sends_at_most_a_few_requests_per_owner():
-    """100,000 small keys split 64 a request were ~1,500 requests, each without an idle
-    connection a new connection and a thread (a probe: 738 threads, and connects timing out).
-    Now at most ``most`` per owner, of about equal key counts, in batch order."""
-    n = 100_000
-    owners = ["a" if i % 3 else "b" for i in range(n)]
-    reqs = plan(list(range(n)), owners, None, 1 << 20, 64, most=8)
-    per = {node: [r.idxs for r in reqs if r.node == node] for node in ("a", "b")}
-    assert [len(v) for v in per.values()] == [8, 8]
-    for node, chunks in per.items():
-        flat = [i for c in chunks for i in c]
-        assert flat == [i for i in range(n) if owners[i] == node]  # every key once, in order
-        assert max(map(len, chunks)) - min(map(len, chunks)) <= max(map(len, chunks)) // 8 + 1
-    assert plan([0, 1, 2], ["a"] * 3, None, 1 << 20, 1, most=8) == [Request("a", [0]), Request("a", [1]),
-                                                                     Request("a", [2])]  # few: as split
-    big = plan(list(range(200_000)), ["a"] * 200_000, None, 1 << 20, 64, most=2)
-    assert len(big) == 4 and all(len(r.idxs) <= 65536 for r in big)  # no request over MAX_BATCH_KEYS
-
-
 def test_retry_only_not_owner():
     st = [Status.OK, Status.NOT_OWNER, Status.NOT_FOUND, Status.NOT_OWNER, Status.UNAVAILABLE]
     assert to_retry(st) == [1, 3]
