@@ -308,3 +308,25 @@ def test_a_stalled_daemon_does_not_make_the_others_look_failed(make_cluster):
             assert set(result.failed) == {first} and set(result.deleted) == set(answered)
         finally:
             os.kill(stalled.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("local", [LocalPath.OFF, LocalPath.FORCE])
+def test_a_batch_of_many_requests_opens_a_few_connections_per_owner(make_cluster, local, monkeypatch):
+    """A local-path put of 100,000 small keys is split 64 keys a request (~1,500 requests): each
+    owner without an idle connection got one new connection and one thread per request (a probe:
+    738 threads, connects timing out although timeout_s was 60, 10% of the keys not written).
+    Now a few connections per owner carry the requests in turn; every key is written."""
+    from gcache.client import fanout, pool
+
+    c = make_cluster(nodes=2)
+    opened = []
+    real = pool.open_connection
+    monkeypatch.setattr(pool, "open_connection", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    keys = [f"k{i}" for i in range(20_000)]
+    with Client(c.addresses, local=local, local_min_bytes=0, timeout_s=30.0) as cl:
+        # get without buffers: sizes unknown, so split by key count over TCP too
+        assert cl.put(keys, [b"v" * 8] * len(keys)) == [Status.OK] * len(keys)
+        got = cl.get(keys)
+        assert all(g is not None and bytes(g) == b"v" * 8 for g in got)
+    per_owner = {n: opened.count(n) for n in set(opened)}
+    assert per_owner and max(per_owner.values()) <= 2 * fanout.MAX_CONNECTS_PER_OWNER, per_owner

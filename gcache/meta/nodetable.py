@@ -87,9 +87,7 @@ class NodeTable:
 
     def _cmd_set_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         rec = self._get(cmd["node"])
-        if rec["inc"] != cmd["inc"] or rec["state"] == cmd["state"]:
-            return {"changed": False, "epoch": self.epoch}
-        if rec["state"] == "draining" and cmd["state"] != "down":  # a drain ends in leaving, or down
+        if rec["inc"] != cmd["inc"] or rec["state"] == cmd["state"] or rec["state"] == "draining":
             return {"changed": False, "epoch": self.epoch}
         if cmd["state"] not in STATES:
             raise CommandError(f"unknown state {cmd['state']!r}")
