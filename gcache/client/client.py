@@ -10,7 +10,6 @@ the caller's buffers with recv_into.
 from __future__ import annotations
 
 import math
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +18,7 @@ from typing import Any, Self
 
 from gcache.client.buffers import as_view
 from gcache.client.config import ClientConfig, LocalPath, OnNodeError
+from gcache.client.each_node import each_node
 from gcache.client.fanout import Fanout
 from gcache.client.keys import KeyLike, check_deadline, check_keys, key_bytes, per_key
 from gcache.client.ops import GetOp, Operation, PutOp
@@ -27,13 +27,13 @@ from gcache.client.replies import OK, Dest, parts
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.env import SCHEME
-from gcache.errors import CallTimeout, ConfigError, GCacheError
+from gcache.errors import ConfigError, GCacheError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership, NodeState
 from gcache.meta.rpc import CLIENT_CHANNEL_OPTIONS, load_token
 from gcache.protocol import Op, Status, namespace_error
 from gcache.tier.valuemeta import ValueMeta
-from gcache.transport import Connection, Transport
+from gcache.transport import Transport
 
 CLEAR_TIMEOUT_S = 30.0  # a clear deletes a namespace's every key: longer than a batch call
 CLEAR_ROUNDS = 3  # a clear is sent again to a membership that changed meanwhile, at most this often
@@ -375,55 +375,8 @@ class Client:
     def _each_node(self, op: Op, pick: Callable[[dict[str, Any]], dict[str, Any]], only: str | None = None,
                    meta: dict[str, Any] | None = None, nodes: dict[str, str] | None = None,
                    timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
-        """``op`` (with ``meta``) to each owning node (or ``nodes``: id -> address), all sent
-        before any reply is read: {node: pick(reply)}, or {node: {"error": why}}."""
+        """``op`` (with ``meta``) to each owning node (or ``nodes``: id -> address): {node:
+        pick(reply)}, or {node: {"error": why}} (gcache.client.each_node)."""
         self._pool.check_usable()
         targets = {n: a for n, a in (self._view.addr if nodes is None else nodes).items() if only in (None, n)}
-        out: dict[str, dict[str, Any]] = {n: {} for n in targets}  # in the membership's order
-        timeout = timeout_s or self.timeout_s
-        deadline = time.monotonic() + timeout
-        sent = []
-        for node, address in targets.items():
-            conn = None
-            try:
-                conn = self._pool.get(node, address)
-                conn.send(op, meta or {}, [], deadline, timeout)
-                sent.append((node, conn))
-            except GCacheError as exc:
-                out[node] = {"error": str(exc)}
-                if conn is not None:
-                    conn.close()
-        # replies in the order they arrive: read one after another, a stalled daemon ran out the
-        # deadline and every daemon after it was reported failed though it had answered (a
-        # clear then said "keeps its keys" of daemons that had deleted them)
-        waiting = dict(sent)
-        while waiting:
-            for node in self._answered(waiting, deadline):
-                conn = waiting.pop(node)
-                try:
-                    reply, _ = conn.recv_reply(deadline)
-                    out[node] = dict(pick(reply))
-                    self._pool.put(conn)
-                except GCacheError as exc:
-                    out[node] = {"error": str(exc)}
-                    conn.close()
-            if time.monotonic() >= deadline:
-                for node, conn in waiting.items():
-                    out[node] = {"error": str(CallTimeout(node, timeout))}
-                    conn.close()
-                break
-        return out
-
-    @staticmethod
-    def _answered(waiting: dict[str, Connection], deadline: float) -> list[str]:
-        """Nodes of ``waiting`` whose reply has started to arrive (or whose connection ended), by
-        ``deadline``; a stream that cannot be polled counts as ready (read in turn, as before)."""
-        polled = {c.stream.fileno(): n for n, c in waiting.items() if c.stream.pollable}
-        ready = [n for n, c in waiting.items() if not c.stream.pollable or c.buffered]
-        if ready or not polled:
-            return ready or list(waiting)
-        poller = select.poll()
-        for fd in polled:
-            poller.register(fd, select.POLLIN)
-        wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-        return [polled[fd] for fd, _ev in poller.poll(wait_ms)]
+        return each_node(self._pool, targets, op, meta or {}, pick, timeout_s or self.timeout_s)
