@@ -103,7 +103,7 @@ def test_down_nodes_are_ignored_and_departed_nodes_forgotten(fd, clock):
     assert set(fd.ages()) == {"c"} and fd.ages()["c"] == pytest.approx(10.0)
 
 
-def test_a_draining_node_is_only_ever_declared_down(fd, clock):
+def test_a_draining_node_is_only_ever_removed_when_silent(fd, clock):
     """A draining node owns nothing, so suspicion means nothing for it; but its handover waits
     for its report, so one that hangs must be declared down (before: never judged, and a hung
     draining node held the handover, and every read of its keys, open until it resumed)."""
@@ -115,7 +115,7 @@ def test_a_draining_node_is_only_ever_declared_down(fd, clock):
     clock.t += 2.9
     assert verdicts(fd, [("a", 1, "draining")]) == []
     clock.t += 0.2
-    assert verdicts(fd, [("a", 1, "draining")]) == [("a", 1, "down")]
+    assert verdicts(fd, [("a", 1, "draining")]) == [("a", 1, "remove")]  # removed, as a completed drain
 
 
 def test_thresholds_are_checked():

@@ -34,7 +34,7 @@ from typing import Any
 from gcache.errors import ConfigError
 from gcache.meta import rpc
 from gcache.meta.beat import BeatListener
-from gcache.meta.detector import FailureDetector
+from gcache.meta.detector import REMOVE, FailureDetector
 from gcache.meta.nodetable import COMMAND_VERSION, NodeTable
 from gcache.meta.raft import ProposalFailed, RaftGroup
 
@@ -262,6 +262,11 @@ class Core:
 
     def _set_state(self, node: str, inc: int, state: str, silent_s: float) -> None:
         try:
+            if state == REMOVE:  # a draining node gone silent: out, as its completed drain would be
+                self.raft.propose({"v": COMMAND_VERSION, "op": "remove", "node": node}, timeout_s=1.0)
+                log.warning("node %s stopped answering while it drained (no heartbeat for %.1fs): removed; its "
+                            "handover closes without the keys it had not handed over", node, silent_s)
+                return
             self.raft.propose({"v": COMMAND_VERSION, "op": "set_state", "node": node, "inc": inc, "state": state,
                                "at": epoch_base()}, timeout_s=1.0)
             log.warning("node %s is %s (no heartbeat for %.1fs)", node, state.upper(), silent_s)

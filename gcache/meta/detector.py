@@ -3,9 +3,11 @@
 Every master records when it last heard each node's incarnation (``heard``). Only the leader acts:
 ``verdicts`` compares each owning node's silence with the thresholds and returns the state
 changes to propose (UP -> SUSPECT -> DOWN, and back to UP once heard again; a DRAINING node
-silent past the DOWN threshold -> DOWN, so that its handover, which waits for its report, closes:
-before, a draining node that hung kept the handover open, and every read of its keys waiting on
-it, until it resumed). Grace periods:
+silent past the DOWN threshold is removed (REMOVE), as a completed drain would be, so that its
+handover, which waits for its report, closes: before, a draining node that hung kept the handover
+open, and every read of its keys waiting on it, until it resumed. The table's ``remove`` command,
+which every master version applies alike, not a new state change: masters of two versions
+during a rolling upgrade would otherwise apply the same log differently). Grace periods:
 
 * a new leader counts silence from when it became leader, never from before;
 * so does a leader that did not run for a while (paused or starved past PAUSE_S: it heard
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from gcache.errors import ConfigError
 
 OWNING = ("up", "suspect")
+REMOVE = "remove"  # a Verdict's state for a draining node that went silent: removed from the table
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class FailureDetector:
                 silent = now - max(seen[1], self._leader_since)
                 if state == "draining":  # owns nothing: only a silent one matters (its handover waits on it)
                     if silent > self.down_after_s:
-                        out.append(Verdict(node, inc, "down", silent))
+                        out.append(Verdict(node, inc, REMOVE, silent))
                     continue
                 target = ("down" if silent > self.down_after_s
                           else "suspect" if silent > self.suspect_after_s else "up")
