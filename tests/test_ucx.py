@@ -277,3 +277,27 @@ def test_a_stalled_ucx_put_is_reset_and_releases_its_reservation(ucx_daemon):
         assert poll(lambda: client.stats()[c.addresses[0]].get("requests_stalled", 0) >= 1, 10)
         assert poll(lambda: client.stats()[c.addresses[0]]["ram_used"] == base, 5)
         stream.close()
+
+
+def test_a_value_over_max_value_in_a_ucx_batch_is_refused_alone(ucx_daemon):
+    """A put batch with one value larger than the daemon's --max-value (and than what it stages
+    for a message): the daemon drops that value's message without staging it (a truncating
+    receive); before, draining it staged the whole message past the bound and the connection was
+    reset, failing every key of the batch."""
+    c = ucx_daemon
+    with ucx_env(TLS["tcp"]), ucx_client(c, timeout_s=10.0) as client:
+        big = np.zeros(20 * MiB, np.uint8)
+        st = client.put(["a", "huge", "b"], [b"x" * 1000, big, b"y" * 1000])
+        assert st == [Status.OK, Status.TOO_LARGE, Status.OK]
+        assert client.get(["a", "b"]) == [b"x" * 1000, b"y" * 1000]
+
+
+def test_ucx_worker_addresses_of_both_layout_versions_pass_the_check():
+    from gcache.transport.ucx import setup
+
+    own = setup.worker_for("127.0.0.1").address.tobytes()
+    assert setup.address_error(own) is None
+    for version in (0, 1):
+        assert setup.address_error(bytes([own[0] & 0xF0 | version]) + own[1:]) is None
+    assert "layout version 2" in setup.address_error(bytes([own[0] & 0xF0 | 2]) + own[1:])
+    assert "bytes" in setup.address_error(b"\x00")

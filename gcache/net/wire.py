@@ -69,7 +69,12 @@ def _advance(bufs: list[Any], i: int, n: int) -> int:
 
 
 def drain(sock: Receiver, nbytes: int, scratch: memoryview) -> None:
-    """Read and discard ``nbytes`` (the payload of a refused value), keeping the framing in sync."""
+    """Read and discard ``nbytes`` (the payload of a refused value), keeping the framing in sync
+    (a stream with a ``discard`` of its own, UCX's, drops whole messages without reading them)."""
+    discard = getattr(sock, "discard", None)
+    if discard is not None:
+        discard(nbytes)
+        return
     while nbytes > 0:
         chunk = scratch[: min(nbytes, len(scratch))]
         recv_exact(sock, chunk)

@@ -134,6 +134,31 @@ class UcxStream:
         self._rest = stage[len(view):]
         return len(view)
 
+    def discard(self, nbytes: int) -> None:
+        """Read and drop the next ``nbytes`` (the payload of a refused value): whole messages are
+        received truncated into a small buffer (UCX drops their bytes), so a value larger than
+        any staging bound is dropped without being staged."""
+        deadline = self._deadline()
+        while nbytes > 0:
+            if self._rest is not None:
+                n = min(nbytes, len(self._rest))
+                self._rest = self._rest[n:] if n < len(self._rest) else None
+                nbytes -= n
+                continue
+            self._finish_posted(deadline)
+            info = self._until(self._probe, deadline)
+            if info.length > nbytes:  # a message beyond the bytes to drop: keep its rest, as recv_into would
+                self._take(info, memoryview(bytearray(nbytes)), deadline)
+                return
+            req = self._w.tag_recv_with_handle(self._Array(memoryview(bytearray(1))), info)
+            try:
+                self._complete([req], deadline)
+            except ConnectionResetError as exc:
+                if "truncated" not in str(exc).lower():
+                    raise
+            nbytes -= info.length
+            deadline = self._deadline()
+
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         buf = bytearray(bufsize)
         return bytes(buf[: self.recv_into(buf)])
@@ -271,10 +296,18 @@ class UcxStream:
             self._complete([r for r, _arr in posted], deadline)
 
     def _complete(self, reqs: list[Any], deadline: float | None) -> None:
+        """Wait for ``reqs``; the deadline (a timeout: settimeout) bounds the wait for the next one
+        to complete, not for all of them, as a socket's timeout bounds one blocked call: a slow
+        but live peer moves any number of messages."""
         if not reqs:
             return
         try:
-            self._until(lambda: all(r.completed for r in reqs), deadline)
+            done = sum(r.completed for r in reqs)
+            while done < len(reqs):
+                self._until(lambda before=done: sum(r.completed for r in reqs) > before, deadline)
+                done = sum(r.completed for r in reqs)
+                if deadline is not None and self._timeout is not None:
+                    deadline = time.monotonic() + self._timeout
         except BaseException:
             self._cancel()  # nothing may land in (or leave) the caller's buffers after we return
             raise
