@@ -24,9 +24,10 @@ SCHEME = "gcache://"
 
 def token_error(token: str) -> str | None:
     """Why ``token`` cannot be a cluster token (None: it can): it travels as a gRPC header, so
-    printable ASCII without spaces (gRPC refuses anything else, and the masters would look down)."""
-    if not all("!" <= c <= "~" for c in token):
-        return "a cluster token must be printable ASCII without spaces (it is sent as a gRPC header)"
+    printable ASCII (gRPC refuses anything else, and the masters would look down); spaces only
+    inside (a token is read stripped)."""
+    if not all(" " <= c <= "~" for c in token) or token != token.strip():
+        return "a cluster token must be printable ASCII, without spaces at either end (it is sent as a gRPC header)"
     return None
 
 

@@ -17,10 +17,11 @@ ERROR flag carries ``{"code": int, "msg": str}`` and refuses the whole request.
 With a master, requests carry the client's membership epoch ``"ep"`` and replies the daemon's;
 a daemon answers NOT_OWNER for a key it does not own when the client's epoch is older than its
 own (``"fb": 1`` marks a deliberate fallback read from a previous owner during a handover).
-Membership extras: a PUT with ``"ho": 1`` carries a previous owner's handover copies (stored only
-where no client wrote or deleted the key; it must carry the ``"ep"`` whose ring it was sent by,
-and is refused whole when that predates the receiver's registration, or changes of the ring the
-receiver missed); GET/LGET/EXISTS replies may list in ``"tomb"`` the
+Membership extras: a PUT with ``"ho"`` (the sending node's id; 1 from older daemons) carries a
+previous owner's handover copies (stored only where no client wrote or deleted the key; it must
+carry the ``"ep"`` whose ring it was sent by, and is refused whole when that predates the
+receiver's registration, or changes of the ring the receiver missed, or when the receiver has no
+handover open that the sender is part of); GET/LGET/EXISTS replies may list in ``"tomb"`` the
 positions of misses that are final (no fallback); a PING may carry ``"ep"`` (a newer epoch exists)
 or ``"probe": 1`` (answer ``"lead"``: do you reach the master leader?). See docs/faults.md.
 

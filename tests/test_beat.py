@@ -11,6 +11,7 @@ import pytest
 from gcache.cluster import free_port
 from gcache.meta.beat import BeatClient, BeatListener, beat_key, seal, unseal
 from gcache.meta.master_client import AuthFailed, MasterClient
+from tests.conftest import poll
 
 TOKEN = "s3cret"
 
@@ -95,8 +96,10 @@ def test_a_master_name_that_does_not_resolve_is_left_out_not_fatal(listener, mon
     looked = []
     real = socket.getaddrinfo
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: looked.append(host) or real(host, *a, **k))
+    client._resolved_at = 0.0
     client.round({"node": "a", "inc": 1, "epoch": 0}, 1.0)
-    assert "gcache-master-2.invalid" in looked  # tried again
+    assert poll(lambda: "gcache-master-2.invalid" in looked, 5)  # tried again, off the round's thread
+    assert list(client.targets.values()) == [address]  # what resolved before is kept
 
 
 def test_wrong_token_is_told_and_silent_masters_time_out(listener):

@@ -55,9 +55,11 @@ def test_a_token_that_cannot_be_a_grpc_header_is_a_clear_error(clean_env, tmp_pa
     for path in (accented, ctrl):
         with pytest.raises(ConfigError, match="printable ASCII"):
             resolve_token(str(path))
-    clean_env.setenv("GCACHE_TOKEN", "a b")
+    clean_env.setenv("GCACHE_TOKEN", "a\tb")
     with pytest.raises(ConfigError, match="GCACHE_TOKEN"):
         resolve_token()
+    clean_env.setenv("GCACHE_TOKEN", "a b")  # an inner space is a valid header value: kept working
+    assert resolve_token() == "a b"
     with pytest.raises(ConfigError, match="printable ASCII"):
         ClientConfig(token="t\u00f6k")
     assert ClientConfig(token="0123abcdef-_.~!").token == "0123abcdef-_.~!"

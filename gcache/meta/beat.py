@@ -141,16 +141,18 @@ class BeatClient:
         self.key = beat_key(token)
         self.addresses = list(addresses)
         self.targets: dict[tuple[Any, ...], str] = {}
-        self._resolved_at = 0.0
-        self._resolve()
+        self._resolve_lock = threading.Lock()
+        self._resolving = False
+        self._resolved_at = time.monotonic()
+        self._resolve(self.addresses)
 
-    def _resolve(self) -> None:
-        """Each master's UDP address. One whose name does not resolve (a master pod rescheduled,
-        its DNS record not back yet) is left out, said in a warning, and tried again every
-        RESOLVE_RETRY_S; its heartbeats go over gRPC meanwhile (MasterClient.heartbeat_all).
-        Before, one such name stopped the daemon from starting."""
-        targets: dict[tuple[Any, ...], str] = {}
-        for a in self.addresses:
+    def _resolve(self, addresses: list[str]) -> None:
+        """Add the UDP address of each of ``addresses``. One whose name does not resolve (a master
+        pod rescheduled, its DNS record not back yet) is left out, said in a warning, and looked
+        up again every RESOLVE_RETRY_S by a thread of its own (a slow DNS must not hold up a
+        heartbeat round past fence-after); its heartbeats go over gRPC meanwhile
+        (MasterClient.heartbeat_all). Before, one such name stopped the daemon from starting."""
+        for a in addresses:
             host, _, port = a.rpartition(":")
             try:
                 info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
@@ -158,8 +160,25 @@ class BeatClient:
                 limited.warning(f"resolve {a}", "master %s does not resolve (%s); its heartbeats go over gRPC "
                                 "until it does", a, exc)
                 continue
-            targets[info[4][:2]] = a
-        self.targets, self._resolved_at = targets, time.monotonic()
+            with self._resolve_lock:
+                self.targets = {**self.targets, info[4][:2]: a}  # copied: a round may be iterating it
+
+    def _resolve_later(self) -> None:
+        """Look up the masters not resolved yet, in a thread, at most every RESOLVE_RETRY_S."""
+        with self._resolve_lock:
+            if self._resolving or time.monotonic() - self._resolved_at <= RESOLVE_RETRY_S:
+                return
+            self._resolving, self._resolved_at = True, time.monotonic()
+            missing = [a for a in self.addresses if a not in self.targets.values()]
+
+        def run() -> None:
+            try:
+                self._resolve(missing)
+            finally:
+                with self._resolve_lock:
+                    self._resolving = False
+
+        threading.Thread(target=run, name="gcache-resolve-masters", daemon=True).start()
 
     @classmethod
     def next_seq(cls) -> int:
@@ -170,8 +189,8 @@ class BeatClient:
     def round(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, dict[str, Any]], bool]:
         """Send ``request`` to every master; ({master address: reply}, whether some master said
         the token is wrong) once all answered or ``timeout_s`` passed."""
-        if len(self.targets) < len(self.addresses) and time.monotonic() - self._resolved_at > RESOLVE_RETRY_S:
-            self._resolve()
+        if len(self.targets) < len(self.addresses):
+            self._resolve_later()
         seq = self.next_seq()
         payload = seal(self.key, {**request, "v": VERSION, "seq": seq})
         replies: dict[str, dict[str, Any]] = {}

@@ -345,7 +345,7 @@ class Store:
             return None
         return e
 
-    def _acquire_from_disk(self, key: Key) -> Hit | None:
+    def _acquire_from_disk(self, key: Key, promote_only: bool = False) -> Hit | None:
         nvme = self.nvme
         loc = nvme.lookup(key) if nvme is not None else None
         if loc is None:
@@ -359,6 +359,9 @@ class Store:
                 pool = loc.meta.pool
                 group = self._group((key[0], pool)) if pool is not None else None
                 off = self._make_room(loc.size, group)
+        if off is None and promote_only:  # (a re-mark: not worth a read that keeps nothing)
+            nvme.done(loc)
+            return None
         if off is None:  # no room to promote: read into a private buffer
             buf = memoryview(bytearray(loc.size))
             ok = nvme.read(key, loc, buf) and nvme.current(key, loc)  # a delete since lookup: a miss
@@ -445,7 +448,7 @@ class Store:
         self.nvme.done(loc)
         if loc.meta.pool is None or loc.meta.tail == tail:
             return
-        hit = self._acquire_from_disk(key)
+        hit = self._acquire_from_disk(key, promote_only=True)
         if hit is None:
             return
         try:
