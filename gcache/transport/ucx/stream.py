@@ -302,10 +302,13 @@ class UcxStream:
         if not reqs:
             return
         try:
-            done = sum(r.completed for r in reqs)
+            def completed() -> int:
+                return sum(r.completed for r in reqs)
+
+            done = completed()
             while done < len(reqs):
-                self._until(lambda before=done: sum(r.completed for r in reqs) > before, deadline)
-                done = sum(r.completed for r in reqs)
+                self._until(lambda before=done: completed() > before, deadline)  # type: ignore[misc]
+                done = completed()
                 if deadline is not None and self._timeout is not None:
                     deadline = time.monotonic() + self._timeout
         except BaseException:
