@@ -104,6 +104,18 @@ def count_or_zero(text: str) -> int:
     return _checked(v, count_error(v, 0))
 
 
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    v: float = _number(text, float, "a number")
+    return _checked(v, None if math.isfinite(v) and v > 0 else f"expected a finite number > 0, got {text!r}")
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    v: float = _number(text, float, "a number between 0 and 1")
+    return _checked(v, None if 0 < v < 1 else f"expected a number between 0 and 1 (exclusive), got {text!r}")
+
+
 def size(text: str) -> str:
     """argparse type: a size such as 512MiB (gcache.sizes), checked and kept as written."""
     try:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from gcache import argtypes
 from gcache.mooncake_trace import BLOCK_TOKENS as BLOCK
 from gcache.mooncake_trace import DEFAULT_TRACE, TraceRequest, load_trace
 
@@ -72,7 +75,8 @@ def replay(nodes: list[str], reqs: list[TraceRequest], dual: bool, layer_page_by
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name="mimo-like", extra_config={"nodes": nodes, "dual_pools": dual,
                                                                      "namespace": "dual" if dual else "single",
-                                                                     "skip_existing": False})
+                                                                     "skip_existing": False,
+                                                                     "interface_v1": 1})  # batch_set_v1 below
     s = GCacheStorage(cfg, {})
     max_pages = 8 * 256
     kv = StandInPool(layer_page_bytes * (FULL if dual else FULL + SWA), max_pages)
@@ -117,12 +121,28 @@ def replay(nodes: list[str], reqs: list[TraceRequest], dual: bool, layer_page_by
             "stored_bytes": pools, "seconds": round(secs, 1)}
 
 
+class _AdapterErrors(logging.Handler):
+    """Counts the adapter's error log records (it logs a failed call and answers misses)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.count, self.first = 0, ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        self.first = self.first or record.getMessage()
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default %(default)s)")
-    ap.add_argument("--requests", type=int, default=1500, help="replay the first N requests (default %(default)s)")
-    ap.add_argument("--budget-mib", type=float, default=24.0, help="total RAM of the 2-daemon cluster")
-    ap.add_argument("--swa-share", type=float, default=0.3, help="share of the budget for the SWA pool (dual)")
-    ap.add_argument("--layer-page-bytes", type=int, default=16, help="bytes per layer per 64-token page")
+    ap.add_argument("--requests", type=argtypes.count_or_zero, default=1500,
+                    help="replay the first N requests, 0: all (default %(default)s)")
+    ap.add_argument("--budget-mib", type=argtypes.positive, default=24.0,
+                    help="total RAM of the 2-daemon cluster, MiB (default %(default)s)")
+    ap.add_argument("--swa-share", type=argtypes.fraction, default=0.3,
+                    help="share of the budget for the SWA pool in the dual-pool run, 0-1 (default %(default)s)")
+    ap.add_argument("--layer-page-bytes", type=argtypes.count, default=16,
+                    help="bytes per layer per 64-token page (default %(default)s)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the tables as JSON here")
 
 
@@ -148,8 +168,17 @@ def run_cli(args: argparse.Namespace) -> int:
         budgets = ([f"kv={100 - args.swa_share * 100:g}%", f"swa={args.swa_share * 100:g}%"] if dual
                    else ["kv=100%"])
         extra = ["--no-pretouch"] + [x for b in budgets for x in ("--pool-budget", b)]
-        with LocalCluster(nodes=2, mem=str(per_node), extra_args=extra) as c:
-            res = replay(c.addresses, reqs, dual, args.layer_page_bytes)
+        failed = _AdapterErrors()
+        logging.getLogger("sglang_adapter").addHandler(failed)
+        try:
+            with LocalCluster(nodes=2, mem=str(per_node), extra_args=extra) as c:
+                res = replay(c.addresses, reqs, dual, args.layer_page_bytes)
+        finally:
+            logging.getLogger("sglang_adapter").removeHandler(failed)
+        if failed.count:  # the adapter turns failures into misses: a 0% hit rate is not a result
+            print(f"gcache bench swa-capacity: the adapter failed {failed.count} times ({failed.first}); "
+                  "no result", file=sys.stderr)
+            return 1
         results.append(res)
         print(f"# replay {len(reqs)} requests, {args.budget_mib:g} MiB: {res}")
     ratio = results[1]["hit_rate"] / max(results[0]["hit_rate"], 1e-9)

@@ -95,3 +95,17 @@ def test_client_processes_add_up(tmp_path):
         assert r["gbps"] > 0 and r["ceiling_gbps"] > 0 and "gcache" in r["ratios"]
         assert r["p999_ms"] >= r["p99_ms"] >= r["p50_ms"] > 0  # the two processes' latencies, pooled
         assert r["ops_per_s"] == pytest.approx(r["gbps"] * 1e9 / r["value_bytes"], rel=1e-6)
+
+
+def test_swa_capacity_replays_with_hits(tmp_path):
+    """A probe: every batch_exists of the replay failed inside the adapter (the bench wrote with
+    batch_set_v1 but did not ask for the zero-copy interface), logged as errors and answered as
+    misses: 0% hit rate, exit 0. Now it hits, and adapter errors fail the run."""
+    pytest.importorskip("sglang", reason="the SGLang adapter bench needs sglang (make sglang-deps)")
+    out_json = tmp_path / "swa.json"
+    out = gcache("bench", "swa-capacity", "--trace", SHARED_TRACE, "--requests", "60", "--json", str(out_json),
+                 timeout=300)
+    assert "Traceback" not in out
+    doc = json.loads(out_json.read_text())
+    assert [r["mode"] for r in doc["replay"]] == ["one pool", "dual pools"]
+    assert all(r["hit_rate"] > 0 for r in doc["replay"]), doc["replay"]
