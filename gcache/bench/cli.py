@@ -107,7 +107,7 @@ def _embedding_args(e: argparse.ArgumentParser) -> None:
 
 
 def _soak_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--minutes", type=float, default=5.0, help="how long to run (default %(default)s)")
+    s.add_argument("--minutes", type=argtypes.positive, default=5.0, help="how long to run, minutes (default %(default)s)")
     s.add_argument("--seconds", type=argtypes.seconds, default=None,
                    help="how long to run, in seconds (overrides --minutes)")
     s.add_argument("--nodes", type=argtypes.count, default=3, help="local daemons (default %(default)s)")

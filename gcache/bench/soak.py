@@ -23,6 +23,7 @@ docs/faults.md), and the key's writer issues its next operation only then. A ref
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import struct
@@ -69,8 +70,10 @@ race on the same keys); max_value: largest value (sizes are uniform from 64 byte
     timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.seconds <= 0 or self.threads < 1 or self.keys < self.threads or self.max_value < HEAD.size + 1:
-            raise ValueError("soak needs seconds > 0, threads >= 1, keys >= threads, max_value > 24 bytes")
+        if not (0 < self.seconds < math.inf) or self.threads < 1 or self.keys < self.threads \
+                or self.max_value < HEAD.size + 1:
+            raise ValueError("soak needs a finite run length > 0, threads >= 1, keys >= threads, max_value > 24 "
+                             "bytes")
         if self.timeout_s <= 0:
             raise ValueError("soak needs a timeout > 0 seconds")
         if self.kill_at is not None and (not 0 < self.kill_at < 1 or self.nodes < 2):
@@ -103,7 +106,9 @@ class SoakReport:
 
     @property
     def ok(self) -> bool:
-        return self.wrong == self.stale == self.resurrected == 0
+        """Nothing wrong, stale or resurrected, in a run that did check something (a run that
+        acknowledged no put checked nothing: not a pass)."""
+        return self.wrong == self.stale == self.resurrected == 0 and self.ops > 0 and self.puts_acked > 0
 
     def add(self, other: SoakReport) -> None:
         for k, v in asdict(other).items():
@@ -181,9 +186,9 @@ class Worker:
                              local=LocalPath.OFF if t % 2 == 0 else LocalPath.FORCE,
                              local_min_bytes=0 if t % 4 == 1 else 256 << 10)
 
-    def run(self, until: float) -> None:
+    def run(self, until: float, stop: threading.Event | None = None) -> None:
         try:
-            while time.monotonic() < until:
+            while time.monotonic() < until and not (stop is not None and stop.is_set()):
                 r, hot = self.rng.random(), self.rng.random() < self.cfg.hot_share
                 every = self.hot if hot else range(self.cfg.keys)
                 own = self.own_hot if hot else self.own
@@ -323,21 +328,18 @@ def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
         workers = [Worker(t, cfg, states, cluster.addresses) for t in range(cfg.threads)]
         t0 = time.monotonic()
         until = t0 + cfg.seconds
-        threads = [threading.Thread(target=w.run, args=(until,), name=f"soak-{w.t}") for w in workers]
+        stop = threading.Event()  # Ctrl-C: the workers end with their current operation
+        threads = [threading.Thread(target=w.run, args=(until, stop), name=f"soak-{w.t}", daemon=True)
+                   for w in workers]
         for th in threads:
             th.start()
-        if cfg.kill_at is not None:
-            time.sleep(max(0.0, t0 + cfg.kill_at * cfg.seconds - time.monotonic()))
-            if progress:
-                print(f"[{time.monotonic() - t0:5.1f} s] kill -9 {cluster.daemons[1].node_id}", flush=True)
-            cluster.kill(1)
-            time.sleep(cfg.down_s)
-            cluster.restart(1)
-            report.restarted = True
-            if progress:
-                print(f"[{time.monotonic() - t0:5.1f} s] {cluster.daemons[1].node_id} restarted", flush=True)
-        for th in threads:
-            th.join()
+        try:
+            _run_phase(cfg, cluster, report, t0, progress, threads)
+        except BaseException:
+            stop.set()
+            for th in threads:
+                th.join(timeout=max(1.0, cfg.timeout_s + 1))
+            raise
         for w in workers:
             report.add(w.report)
         final = Worker(cfg.threads, cfg, states, cluster.addresses)  # a last sweep over every key
@@ -350,3 +352,22 @@ def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
     finally:
         cluster.stop()
     return report
+
+
+def _run_phase(cfg: SoakConfig, cluster: LocalCluster, report: SoakReport, t0: float, progress: bool,
+               threads: list[threading.Thread]) -> None:
+    """The run itself: the kill -9 and restart halfway, then the workers' end (join() in short
+    waits: a Ctrl-C is seen at once)."""
+    if cfg.kill_at is not None:
+        time.sleep(max(0.0, t0 + cfg.kill_at * cfg.seconds - time.monotonic()))
+        if progress:
+            print(f"[{time.monotonic() - t0:5.1f} s] kill -9 {cluster.daemons[1].node_id}", flush=True)
+        cluster.kill(1)
+        time.sleep(cfg.down_s)
+        cluster.restart(1)
+        report.restarted = True
+        if progress:
+            print(f"[{time.monotonic() - t0:5.1f} s] {cluster.daemons[1].node_id} restarted", flush=True)
+    for th in threads:
+        while th.is_alive():
+            th.join(timeout=0.2)

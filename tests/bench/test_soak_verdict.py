@@ -18,3 +18,19 @@ def test_the_last_acknowledged_write_and_anything_newer_may_be_read():
     assert st.verdict(0, 6, (5, DEL)) is None
     assert st.verdict(0, 5, (5, DEL)) == "resurrected"
     assert st.verdict(0, 4, (5, PUT)) == "stale"
+
+
+def test_a_run_that_checked_nothing_is_not_a_pass_and_its_length_must_be_finite():
+    """A probe: --minutes nan ran nothing and printed "OK: nothing wrong"; inf crashed, then hung."""
+    import math
+
+    import pytest
+
+    from gcache.bench.soak import SoakConfig, SoakReport
+
+    assert not SoakReport().ok  # no operation, no acknowledged put
+    assert SoakReport(ops=10, puts_acked=3).ok
+    assert not SoakReport(ops=10, puts_acked=3, stale=1).ok
+    for bad in (math.nan, math.inf, 0.0, -1.0):
+        with pytest.raises(ValueError, match="finite run length"):
+            SoakConfig(seconds=bad)
