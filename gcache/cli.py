@@ -481,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     except GCacheError as exc:
         print(f"gcache: config: {exc}", file=sys.stderr)
         return 2
+    from gcache.bench.cli import options_before_subcommand
+
+    if misplaced := options_before_subcommand(argv):
+        print(f"gcache bench: {misplaced}", file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # the command's usage, not gcache's list of commands
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]

@@ -71,7 +71,7 @@ def _hitrate_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("--tiers", default="ram,nvme",
                    help="'ram' (RAM only) and/or 'nvme' (RAM + an NVMe tier of --disk-capacity; with both, "
                         "nvme only below capacity 1.0) (default %(default)s)")
-    h.add_argument("--disk-capacity", type=float, default=1.25,
+    h.add_argument("--disk-capacity", type=argtypes.positive, default=1.25,
                    help="the NVMe tier as a fraction of the working set (default %(default)s)")
     h.add_argument("--policy", default=",".join(k.value for k in EvictionKind),
                    help="eviction policies to compare, comma-separated (default %(default)s); each is run beside "
@@ -160,6 +160,21 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
 }
 
 
+def options_before_subcommand(argv: list[str]) -> str | None:
+    """Why ``argv`` (gcache's arguments) must be refused when it gives ``bench`` options before a
+    bench subcommand (None: it does not): those are the throughput benchmark's, and the
+    subcommand's own defaults silently replaced them (``gcache bench --seconds 1 soak`` ran 300 s)."""
+    if "bench" not in argv:
+        return None
+    rest = argv[argv.index("bench") + 1:]
+    sub = next((i for i, a in enumerate(rest) if a in _COMMANDS), None)
+    given = [a for a in rest[:sub] if a.startswith("-") and a not in ("-h", "--help")] if sub is not None else []
+    if given:
+        return (f"options before the subcommand ({' '.join(given)}) are the throughput benchmark's: put them after "
+                f"it (gcache bench {rest[sub]} {' '.join(rest[:sub])} ...)")
+    return None
+
+
 def add_bench_parser(sub: Any) -> None:
     """Add ``bench`` and its subcommands to the ``gcache`` command's subparsers ``sub``."""
     b = sub.add_parser("bench", help="benchmarks: throughput/latency beside ceilings and peers (default), "
@@ -177,7 +192,12 @@ def _runner(module: str) -> Callable[[argparse.Namespace], int]:
     """Runs ``module.run_cli(args)``, importing the module only then (they pull in numpy, torch...)."""
 
     def run(args: argparse.Namespace) -> int:
-        result: int = importlib.import_module(module).run_cli(args)
+        from gcache.mooncake_trace import TraceError
+
+        try:
+            result: int = importlib.import_module(module).run_cli(args)
+        except (TraceError, UnicodeDecodeError) as exc:  # a trace that is not one: its file, line, problem
+            raise SystemExit(f"gcache bench: {exc}") from None
         return result
 
     return run

@@ -25,6 +25,7 @@ the NVMe tier the references are computed at the RAM + NVMe capacity.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -245,19 +246,39 @@ def _parse_list(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def _fractions(text: str) -> list[float]:
+    """--capacities: finite fractions > 0 (of the working set), comma-separated."""
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            v = float(x)
+        except ValueError:
+            raise SystemExit(f"gcache bench hitrate: --capacities takes fractions such as 0.05,0.5,1.0; "
+                             f"got {x!r}") from None
+        if not 0 < v <= 1000:
+            raise SystemExit(f"gcache bench hitrate: --capacities takes fractions > 0 (at most 1000), got {x!r}")
+        out.append(v)
+    return out
+
+
 def run_cli(args: argparse.Namespace) -> int:
     from gcache.bench.hitrate_report import format_markdown, summary_lines
 
     trace = args.trace or os.path.normpath(DEFAULT_TRACE)
     limit = args.limit or (2000 if args.quick else 0)
-    fractions = [0.5, 1.25] if args.quick else [float(x) for x in args.capacities.split(",") if x]
+    fractions = [0.5, 1.25] if args.quick else _fractions(args.capacities)
     tiers = ["ram"] if args.quick else _parse_list(args.tiers, "--tiers", ("ram", "nvme"))
     policies = [EvictionKind(p) for p in _parse_list(args.policy, "--policy", tuple(k.value for k in EvictionKind))]
     engines = _parse_list(args.engine, "--engine", ("sim", "daemon"))
-    if not fractions or min(fractions) <= 0 or not args.disk_capacity > 0:
+    if not fractions or min(fractions) <= 0 or not 0 < args.disk_capacity < math.inf:
         raise SystemExit("gcache bench hitrate: --capacities and --disk-capacity take positive fractions")
     page_bytes = parse_size(args.page_bytes)
+    if page_bytes < 8:
+        raise SystemExit(f"gcache bench hitrate: --page-bytes must be at least 8 bytes (a page carries its block "
+                         f"id), got {args.page_bytes}")
     requests = load_trace(trace, limit)
+    if not requests:
+        raise SystemExit(f"gcache bench hitrate: {trace} holds no request")
     best = trace_max(requests)
     info = TraceInfo(requests, working_set_blocks(requests), (page_bytes + 63) // 64 * 64, page_bytes, best.hit_rate)
     geo = ModelGeometry()

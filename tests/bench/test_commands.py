@@ -71,3 +71,30 @@ def test_bench_directory_holds_no_code_and_nothing_edits_sys_path():
                 if f.endswith(".py"):
                     text = (Path(dirpath) / f).read_text()
                     assert "sys.path.insert" not in text and "sys.path.append" not in text, f"{dirpath}/{f}"
+
+
+def test_bad_bench_input_is_one_line_not_a_traceback(tmp_path):
+    """A probe's list: capacities that are not numbers / NaN / inf, a page of 0 bytes, a trace that
+    is not JSON, is binary or is empty, bench options before the subcommand (silently replaced by
+    the subcommand's defaults: a 1 s soak ran 300 s)."""
+    notjson, binary, empty = tmp_path / "notjson.jsonl", tmp_path / "binary.jsonl", tmp_path / "empty.jsonl"
+    notjson.write_text("hello\n")
+    binary.write_bytes(bytes(range(128, 256)))
+    empty.write_text("")
+    cases = [
+        (["bench", "hitrate", "--capacities", "abc"], "--capacities"),
+        (["bench", "hitrate", "--capacities", "nan"], "--capacities"),
+        (["bench", "hitrate", "--capacities", "inf"], "--capacities"),
+        (["bench", "hitrate", "--page-bytes", "0"], "--page-bytes"),
+        (["bench", "hitrate", "--trace", str(notjson), "--engine", "sim"], "not a Mooncake trace record"),
+        (["bench", "hitrate", "--trace", str(binary), "--engine", "sim"], "gcache bench:"),
+        (["bench", "hitrate", "--trace", str(empty), "--engine", "sim"], "holds no request"),
+        (["bench", "--seconds", "1", "soak", "--keys", "50"], "put them after it"),
+        (["bench", "soak", "--minutes", "nan"], "--minutes"),
+    ]
+    for argv, says in cases:
+        p = subprocess.run([sys.executable, "-m", "gcache", *argv, "--out", str(tmp_path / "o")]
+                           if argv[1] == "hitrate" else [sys.executable, "-m", "gcache", *argv],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert p.returncode in (1, 2), (argv, p.returncode, p.stdout[-300:])
+        assert "Traceback" not in p.stderr and says in p.stderr, (argv, p.stderr[-500:])
