@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gcache import argtypes
 from gcache.sizes import format_size, parse_size
 
 PAGE_TOKENS = 64
@@ -258,9 +259,9 @@ def format_markdown(records: list[AdapterRecord]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nodes", default="2", help="local daemons to start (default %(default)s), or HOST:PORT,... "
                                                  "of a running cluster on this host")
-    ap.add_argument("--pages", type=int, default=64, help="pages per call (default %(default)s)")
+    ap.add_argument("--pages", type=argtypes.count, default=64, help="pages per call (default %(default)s)")
     ap.add_argument("--page-bytes", default="1MiB", help="bytes of one page, K and V (default %(default)s)")
-    ap.add_argument("--seconds", type=float, default=3.0,
+    ap.add_argument("--seconds", type=argtypes.seconds, default=3.0,
                     help="time per figure, adapter and raw calls alternating (default %(default)s)")
     ap.add_argument("--transport", default="tcp,local", help="tcp,local (default %(default)s)")
     ap.add_argument("--ops", default="set,get", help="set,get (default %(default)s)")

@@ -168,7 +168,9 @@ def options_before_subcommand(argv: list[str]) -> str | None:
         return None
     rest = argv[argv.index("bench") + 1:]
     sub = next((i for i, a in enumerate(rest) if a in _COMMANDS), None)
-    given = [a for a in rest[:sub] if a.startswith("-") and a not in ("-h", "--help")] if sub is not None else []
+    if sub is None:
+        return None
+    given = [a for a in rest[:sub] if a.startswith("-") and a not in ("-h", "--help")]
     if given:
         return (f"options before the subcommand ({' '.join(given)}) are the throughput benchmark's: put them after "
                 f"it (gcache bench {rest[sub]} {' '.join(rest[:sub])} ...)")

@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Any
 
+from gcache import argtypes
 from gcache.bench.control import TARGETS, ControlConfig, run
 from gcache.bench.control_procs import memory_watchdog
 from gcache.bench.driver import BenchError
@@ -20,13 +21,13 @@ from gcache.bench.records import machine_info, versions
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watchers", default="5000,10000",
                    help="simulated clients (watch streams), comma-separated: one run each (default %(default)s)")
-    p.add_argument("--daemons", type=int, default=500, help="simulated daemons (default %(default)s)")
+    p.add_argument("--daemons", type=argtypes.count, default=500, help="simulated daemons (default %(default)s)")
     p.add_argument("--masters", type=int, default=3, choices=(1, 3, 5), help="master processes (default %(default)s)")
-    p.add_argument("--seconds", type=float, default=60.0,
+    p.add_argument("--seconds", type=argtypes.seconds, default=60.0,
                    help="steady phase per run: bootstraps, epoch changes, the false-DOWN window (default %(default)s)")
-    p.add_argument("--failovers", type=int, default=5, help="leader kills per run (default %(default)s)")
-    p.add_argument("--watcher-procs", type=int, default=4, help="processes the watchers share (default %(default)s)")
-    p.add_argument("--daemon-procs", type=int, default=2, help="processes the daemons share (default %(default)s)")
+    p.add_argument("--failovers", type=argtypes.count_or_zero, default=5, help="leader kills per run (default %(default)s)")
+    p.add_argument("--watcher-procs", type=argtypes.count, default=4, help="processes the watchers share (default %(default)s)")
+    p.add_argument("--daemon-procs", type=argtypes.count, default=2, help="processes the daemons share (default %(default)s)")
     p.add_argument("--nice", type=int, default=0,
                    help="run every process of the bench (masters, simulated daemons and clients, the driver) at "
                         "this priority (e.g. -10, as root), so that a shared machine's other load does not "

@@ -15,11 +15,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gcache import argtypes
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-mib", type=float, default=1.0, help="bytes per value, in MiB (default 1)")
-    p.add_argument("--count", type=int, default=64, help="values per batch (default 64)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--size-mib", type=argtypes.positive, default=1.0, help="bytes per value, in MiB (default 1)")
+    p.add_argument("--count", type=argtypes.count, default=64, help="values per batch (default 64)")
+    p.add_argument("--rounds", type=argtypes.count, default=5, help="timed rounds (default 5)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from typing import Any
 
+from gcache import argtypes
 from gcache.sizes import format_size, parse_size
 
 NATIVE = "none (pure Python)"  # what ran the hot loops: gcache has no native extension yet
@@ -138,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="4KiB", help="value size (default %(default)s)")
     p.add_argument("--nodes", default="1,3", help="local daemons for the client's figures, comma-separated "
                                                   "(default %(default)s)")
-    p.add_argument("--batches", type=int, default=400,
+    p.add_argument("--batches", type=argtypes.count, default=400,
                    help="batches in the longer of the two runs per figure (default %(default)s; ~15 s a figure)")
     p.add_argument("--side", default="client,daemon", help="client, daemon or both (default %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the records (JSON, and a .md table)")

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
+from gcache import argtypes
+
 VALUE = 4096
 
 
@@ -141,8 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="exists,get", help="exists and/or get (default %(default)s)")
     p.add_argument("--keys", default="5,16", help="keys per request, comma-separated (default %(default)s; "
                                                    "5 is one owner's share of a batch of 16 over 3 daemons)")
-    p.add_argument("--requests", type=int, default=5000, help="requests per figure (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per figure, the best kept (default %(default)s)")
+    p.add_argument("--requests", type=argtypes.count, default=5000, help="requests per figure (default %(default)s)")
+    p.add_argument("--repeat", type=argtypes.count, default=3, help="runs per figure, the best kept (default %(default)s)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from gcache import argtypes
 from gcache.bench.driver import BenchError
 from gcache.bench.procs import GcacheProcs, combine, run_workers, wait_go
 from gcache.bench.records import Record, write_json
@@ -207,7 +208,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", default="1,2,4", help="client threads per process (default %(default)s)")
     ap.add_argument("--procs", default="1,2", help="client processes (default %(default)s)")
     ap.add_argument("--ops", default="put,get,exists", help="(default %(default)s)")
-    ap.add_argument("--seconds", type=float, default=1.0, help="time per figure (default %(default)s)")
+    ap.add_argument("--seconds", type=argtypes.seconds, default=1.0, help="time per figure (default %(default)s)")
     ap.add_argument("--peers", default="redis,mooncake", help="peers, or 'none' (default %(default)s)")
     ap.add_argument("--out", default="bench/results/scaling", metavar="DIR",
                     help="directory for scaling.json/.md/.png (default %(default)s)")

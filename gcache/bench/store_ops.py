@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gcache import argtypes
+
 KB = 1024
 
 
@@ -53,9 +55,9 @@ def measure(config: Any, n: int) -> dict[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--puts", type=int, default=20000,
+    p.add_argument("--puts", type=argtypes.count, default=20000,
                    help="puts of 4 KiB into an arena of 1,000 (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=5, help="runs per policy; the best is kept (default %(default)s)")
+    p.add_argument("--repeat", type=argtypes.count, default=5, help="runs per policy; the best is kept (default %(default)s)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from gcache import argtypes
+
 MiB = 1 << 20
 #: (row name, transport, UCX_TLS or None for the environment's own)
 CASES = (("gcache/tcp", "tcp", None), ("gcache/ucx tcp", "ucx", "tcp"), ("gcache/ucx sm", "ucx", "posix,cma,self"))
@@ -79,10 +81,10 @@ def ceilings(size: int, batch: int) -> dict[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=30, help="timed batches per op (default %(default)s)")
-    p.add_argument("--nodes", type=int, default=1, help="local daemons (default %(default)s)")
-    p.add_argument("--batch", type=int, default=16, help="values per batch (default %(default)s)")
-    p.add_argument("--size", type=int, default=MiB, help="bytes per value (default %(default)s)")
+    p.add_argument("--rounds", type=argtypes.count, default=30, help="timed batches per op (default %(default)s)")
+    p.add_argument("--nodes", type=argtypes.count, default=1, help="local daemons (default %(default)s)")
+    p.add_argument("--batch", type=argtypes.count, default=16, help="values per batch (default %(default)s)")
+    p.add_argument("--size", type=argtypes.count, default=MiB, help="bytes per value (default %(default)s)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
