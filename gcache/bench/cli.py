@@ -32,7 +32,7 @@ from gcache.tier.eviction import EvictionKind
 def _throughput_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--nodes", default="3",
                    help="number of local daemons to start (default %(default)s), or HOST:PORT,... of a running cluster")
-    b.add_argument("--mem", default="1GiB", help="RAM arena per local daemon (default %(default)s)")
+    b.add_argument("--mem", type=argtypes.size, default="1GiB", help="RAM arena per local daemon (default %(default)s)")
     b.add_argument("--quick", action="store_true",
                    help="the one-minute profile: 64KiB,1MiB,4MiB x batch 16, one thread, put/get, 0.4 s a figure")
     b.add_argument("--sizes", default=None, help="value sizes (default 4KiB..16MiB; --quick: 64KiB,1MiB,4MiB)")
@@ -111,9 +111,9 @@ def _soak_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--seconds", type=argtypes.seconds, default=None,
                    help="how long to run, in seconds (overrides --minutes)")
     s.add_argument("--nodes", type=argtypes.count, default=3, help="local daemons (default %(default)s)")
-    s.add_argument("--mem", default="2MiB", help="RAM arena per daemon (default %(default)s: small, so values "
+    s.add_argument("--mem", type=argtypes.size, default="2MiB", help="RAM arena per daemon (default %(default)s: small, so values "
                                                  "are evicted and demoted all the time)")
-    s.add_argument("--disk", default="32MiB", help="disk tier per daemon (default %(default)s)")
+    s.add_argument("--disk", type=argtypes.size, default="32MiB", help="disk tier per daemon (default %(default)s)")
     s.add_argument("--keys", type=argtypes.count, default=2000, help="distinct keys (default %(default)s)")
     s.add_argument("--threads", type=argtypes.count, default=4,
                    help="client threads, alternately TCP and local shared memory (default %(default)s)")

@@ -88,6 +88,8 @@ def cluster_for(nodes: str, mem_bytes: int, extra_args: Sequence[str] = ()) -> I
         return
     from gcache.cluster import LocalCluster
 
+    if not nodes.isdigit() or int(nodes) < 1:
+        raise SystemExit(f"gcache bench: --nodes takes a number of local daemons >= 1, or HOST:PORT,...; got {nodes!r}")
     cluster = LocalCluster(nodes=int(nodes), mem=f"{mem_bytes >> 20}MiB", extra_args=list(extra_args)).start()
     try:
         yield cluster.addresses

@@ -202,7 +202,7 @@ def plot_scaling(records: list[Record], out_dir: str) -> str | None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nodes", default="3", help="local daemons to start (default %(default)s), or HOST:PORT,...")
-    ap.add_argument("--mem", default="512MiB", help="RAM arena per local daemon (default %(default)s)")
+    ap.add_argument("--mem", type=argtypes.size, default="512MiB", help="RAM arena per local daemon (default %(default)s)")
     ap.add_argument("--sizes", default="4KiB,1MiB", help="value sizes (default %(default)s)")
     ap.add_argument("--batch", default="16", help="keys per batch, comma-separated (default %(default)s)")
     ap.add_argument("--threads", default="1,2,4", help="client threads per process (default %(default)s)")

@@ -303,9 +303,13 @@ def run_cli(args) -> int:
     import json
 
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
-    cfg = SoakConfig(seconds=seconds, nodes=args.nodes, mem=args.mem, disk=args.disk, keys=args.keys,
-                     threads=args.threads, kill_at=None if args.no_kill else 0.5, seed=args.seed,
-                     timeout_s=args.timeout)
+    try:
+        cfg = SoakConfig(seconds=seconds, nodes=args.nodes, mem=args.mem, disk=args.disk, keys=args.keys,
+                         threads=args.threads, kill_at=None if args.no_kill else 0.5, seed=args.seed,
+                         timeout_s=args.timeout)
+    except ValueError as exc:
+        hint = " (or --no-kill)" if args.nodes < 2 and not args.no_kill else ""
+        raise SystemExit(f"gcache bench soak: {exc}{hint}") from None
     print(f"soak: {cfg.nodes} daemons (arena {cfg.mem}, disk {cfg.disk}), {cfg.keys} keys of up to "
           f"{cfg.max_value} bytes, {cfg.threads} threads (TCP and local), timeout {cfg.timeout_s} s, {seconds:.0f} s",
           flush=True)

@@ -217,6 +217,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"gcache bench throughput: unknown transport {unknown} (known: {', '.join(TRANSPORTS)})")
     cluster = None
+    if args.nodes.isdigit() and int(args.nodes) < 1:
+        raise SystemExit("gcache bench throughput: --nodes takes a number of local daemons >= 1, or HOST:PORT,...")
     if args.nodes.isdigit():
         extra = ["--ucx"] if "ucx" in transports else []  # daemons serve UCX only when asked
         cluster = LocalCluster(nodes=int(args.nodes), mem=args.mem, extra_args=extra).start()
