@@ -72,6 +72,23 @@ def identity_tag(identity: Sequence[str] = ()) -> str:
     return xxhash.xxh3_64_hexdigest("|".join(identity).encode())
 
 
+#: what a content hash or a model name must not hold: the key's own separators (with them a model
+#: name and a hash could together spell another deployment's key)
+KEY_SEPARATORS = (".", "@", "#")
+
+
+def hash_ok(h: object) -> bool:
+    """Whether ``h`` can be an embedding's content hash in a key: a non-empty string of UTF-8
+    without the key's separators (SGLang's are decimal or hex digits)."""
+    if not isinstance(h, str) or not h or any(c in h for c in KEY_SEPARATORS):
+        return False
+    try:
+        h.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def embedding_keys(hashes: list[str], model: str, fmt: EmbeddingFormat, identity: str = "") -> list[bytes]:
     """gcache keys of the embeddings of ``hashes`` (content hashes) in format ``fmt``, written by
     a deployment whose model identity has the digest ``identity`` (identity_tag; default: none)."""
@@ -97,6 +114,9 @@ class EmbeddingStoreConfig:
         if not self.model:
             raise ConfigError("gcache embedding store: no model name; set 'model' in the config "
                               f"(${ENV_CONFIG}) or run inside SGLang, which publishes it")
+        if any(sep in self.model for sep in ("@", "#", ".emb.")):
+            raise ConfigError(f"gcache embedding store: model name {self.model!r} holds '@', '#' or '.emb.', "
+                              "which separate the parts of a key")
         if len(self.model.encode()) > _MAX_MODEL_BYTES:
             raise ConfigError(f"gcache embedding store: model name longer than {_MAX_MODEL_BYTES} bytes")
         for name in ("timeout_s", "connect_timeout_s"):

@@ -46,7 +46,13 @@ from gcache.errors import GCacheError
 from gcache.protocol import Status
 from gcache.ratelog import RateLimitedLog
 from sglang_adapter.config import write_deadlines
-from sglang_adapter.emb_config import EmbeddingFormat, EmbeddingStoreConfig, embedding_keys, identity_tag
+from sglang_adapter.emb_config import (
+    EmbeddingFormat,
+    EmbeddingStoreConfig,
+    embedding_keys,
+    hash_ok,
+    identity_tag,
+)
 from sglang_adapter.failures import report_owner_failure
 from sglang_adapter.pages import model_identity, served_model
 
@@ -96,7 +102,8 @@ class EmbeddingStoreMetrics:
     put_s: float = 0.0
     exists: int = 0
     exist_hits: int = 0
-    unregistered: int = 0  # buffers outside every registered pool: refused
+    unregistered: int = 0  # buffers outside every registered pool, or without a valid hash: refused
+    too_large: int = 0  # puts refused by a daemon: larger than its --max-value (or its pool budget), or no room
     empty: int = 0  # empty (0-byte) embeddings: refused
     bad_entries: int = 0  # stored entries that cannot be an embedding of the reader's format: deleted
     errors: int = 0  # batch calls that failed as a whole, and owners that failed in a call (misses)
@@ -179,7 +186,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
         refused = empty = 0
         for i, (h, p, s) in enumerate(zip(hashes, ptrs, sizes)):
             region = self._region_of(p, s)
-            if region is None or not isinstance(h, str) or not h:
+            if region is None or not hash_ok(h):
                 refused += 1
                 continue
             total = sum(int(b) for b in s)
@@ -193,11 +200,11 @@ class GCacheEmbeddingStore(EmbeddingStore):
             rows.append(region.row_bytes)
         if refused:
             with self._lock:
-                first = self._m.unregistered == 0
                 self._m.unregistered += refused
-            if first:
-                log.warning("gcache embedding store: %d embedding(s) not in a registered pool (or without a hash): "
-                            "refused as misses; register the pool with register_buffer", refused)
+            self._limited.warning("refused", "gcache embedding store: %d embedding(s) refused as misses: outside every "
+                                  "registered pool (register it with register_buffer), across pools, not whole "
+                                  "rows, or without a usable hash (a non-empty string without '.', '@', '#')",
+                                  refused)
         if empty:
             with self._lock:
                 self._m.empty += empty
@@ -217,8 +224,8 @@ class GCacheEmbeddingStore(EmbeddingStore):
         not a whole number of rows): left there, skip_existing would trust them forever."""
         with self._lock:
             self._m.bad_entries += len(keys)
-        self._limited.warning("bad", "gcache embedding store: %d stored value(s) cannot be an embedding (empty, or not a "
-                        "whole number of rows): deleted, so the next put stores the real one", len(keys))
+        self._limited.warning("bad", "gcache embedding store: %d stored value(s) cannot be an embedding (empty, or not "
+                              "a whole number of rows): deleted, so the next put stores the real one", len(keys))
         self.client.delete(keys)
 
     # -- the interface the controller uses ---------------------------------------------------------
@@ -267,6 +274,14 @@ class GCacheEmbeddingStore(EmbeddingStore):
                                      deadline=put_by)
                 for j, s in zip(todo, st):
                     ok[idx[j]] = s is Status.OK
+                refused = [nbytes[j] for j, s in zip(todo, st) if s in (Status.TOO_LARGE, Status.FULL)]
+                if refused:
+                    with self._lock:
+                        self._m.too_large += len(refused)
+                    self._limited.warning("too-large", "gcache embedding store: %d embedding(s) not stored, refused "
+                                          "by a daemon as too large or with no room (largest %d bytes): raise the "
+                                          "daemons' --max-value, or the pool's --pool-budget", len(refused),
+                                          max(refused))
             stored = [j for j in todo if ok[idx[j]]]
         except Exception:
             log.exception("gcache embedding put of %d embeddings failed", len(hashes))
@@ -287,9 +302,14 @@ class GCacheEmbeddingStore(EmbeddingStore):
             fmts = list(dict.fromkeys(r.fmt for r in self._regions))
             if not n or not fmts:
                 return [False] * n
-            keys = [k for f in fmts for k in embedding_keys(list(hashes), self.config.model, f, self._ident)]
-            ex = self.client.exists(keys)
-            out = [any(ex[j * n + i] for j in range(len(fmts))) for i in range(n)]
+            good = [i for i, h in enumerate(hashes) if hash_ok(h)]  # another one is a miss, alone
+            m = len(good)
+            keys = [k for f in fmts for k in embedding_keys([hashes[i] for i in good], self.config.model, f,
+                                                             self._ident)]
+            ex = self.client.exists(keys) if keys else []
+            out = [False] * n
+            for g, i in enumerate(good):
+                out[i] = any(ex[j * m + g] for j in range(len(fmts)))
         except Exception:
             log.exception("gcache embedding exists of %d embeddings failed", n)
             return self._failed(n)

@@ -70,6 +70,8 @@ def test_config_from_mapping_json_and_environment(monkeypatch):
     ({"nodes": "h:1", "model": "m", "bogus": 1}, "unknown config keys"),
     ({"nodes": "h:1", "model": "m", "token_file": 7}, "'token_file' has the wrong type"),
     ({"nodes": "h:1", "model": "x" * 600}, "longer than"),
+    ({"nodes": "h:1", "model": "b.emb.vision@a"}, "separate the parts of a key"),  # would spell another's key
+    ({"nodes": "h:1", "model": "m#1"}, "separate the parts of a key"),
     ("{not json", "not JSON"),
     ("[1]", "JSON object"),
 ])
@@ -91,3 +93,13 @@ def test_token_file_is_taken_and_resolved_like_every_other_entry_point(tmp_path,
     assert EmbeddingStoreConfig.load({"nodes": "h:1", "model": "m"}).token() == "from-env"
     with pytest.raises(ConfigError, match="cannot read token file"):
         EmbeddingStoreConfig.load({"nodes": "h:1", "model": "m", "token_file": str(tmp_path / "absent")}).token()
+
+
+def test_a_content_hash_is_usable_only_without_the_keys_separators():
+    """A hash holding '.emb.' (with a model name holding '@') spelled another deployment's key; a
+    lone surrogate raised inside the batch and failed every embedding of it."""
+    from sglang_adapter.emb_config import hash_ok
+
+    assert hash_ok("1234567890") and hash_ok("deadbeef")
+    for bad in ("", "X.emb.vision@b", "a#b", "a@b", "a\udc80", 7, None):
+        assert not hash_ok(bad), bad

@@ -346,3 +346,25 @@ def test_encoders_loading_other_weights_under_one_name_never_share_embeddings(sg
     finally:
         for store, _ in made:
             store.close()
+
+
+def test_one_bad_hash_is_a_miss_alone_and_a_too_large_put_is_counted(sgl, make_cluster, caplog):
+    """A probe: a hash that cannot be encoded failed every embedding of its batch (put and
+    exists), a non-string one every embedding of an exists; an embedding over the daemons'
+    --max-value was not stored and nothing said why."""
+    import logging
+
+    addrs = make_cluster(nodes=1, mem="16MiB", extra_args=["--no-pretouch", "--max-value", "64KiB"]).addresses
+    store, pool = _direct_store(addrs, rows=4096, hidden=16)  # 128 KiB of bf16: over --max-value when whole
+    row = pool.shape[1] * pool.element_size()
+    try:
+        pool[:2].fill_(3.0)
+        put = store.batch_put(["good", "bad\udc80"], [pool.data_ptr()] * 2, [2 * row] * 2)
+        assert put == [True, False]
+        assert store.batch_is_exist(["good", "bad\udc80", 7]) == [True, False, False]
+        with caplog.at_level(logging.WARNING, logger="sglang_adapter.embedding"):
+            assert store.batch_put(["huge"], [pool.data_ptr()], [4096 * row]) == [False]
+        assert store.metrics()["too_large"] == 1
+        assert "--max-value" in caplog.text
+    finally:
+        store.close()
