@@ -43,9 +43,10 @@ class Masters:
         return self.table.membership()
 
 
-def drained_n1(reason):
-    """n0, n1, n2 settled, n1 drained and its handover report taken (the masters removed it); an
-    Agent for n1 that last applied the membership in which it was draining."""
+def drained_n1(reason, how="handover_done"):
+    """n0, n1, n2 settled, n1 drained and its handover report taken (``how``; or removed as a
+    silent draining node, "remove"): the masters no longer list it; an Agent for n1 that last
+    applied the membership in which it was draining."""
     t = NodeTable()
     for i in range(3):
         register(t, i)
@@ -54,8 +55,8 @@ def drained_n1(reason):
     t.apply({"v": 1, "op": "drain", "node": "n1"})
     draining = t.membership()
     assert next(r for r in draining["nodes"] if r["id"] == "n1")["state"] == "draining"
-    t.apply({"v": 1, "op": "handover_done", "node": "n1", "epoch": t.epoch})
-    assert all(r["id"] != "n1" for r in t.membership()["nodes"])
+    t.apply({"v": 1, "op": how, "node": "n1", "epoch": t.epoch})
+    assert all(r["id"] != "n1" for r in t.membership()["nodes"]) and t.membership()["transition"] is None
     masters = Masters(t, reason)
     agent = Agent(masters, "n1", "n1:1", GiB, Store(StoreConfig(mem_bytes=16 << 20, pretouch=False)), None,  # type: ignore[arg-type]
                   put=lambda *a: [])
@@ -103,24 +104,8 @@ def test_a_node_removed_while_draining_has_left():
     """A draining node that hung is removed (its handover closes without it). When it resumes it
     must not register again: that would undo the drain and bring it back, empty, into the ring,
     after it may have applied the membership without it."""
-    t = NodeTable()
-    for i in range(3):
-        register(t, i)
-    for n in t.membership()["transition"]["pending"]:
-        t.apply({"v": 1, "op": "handover_done", "node": n, "epoch": t.epoch})
-    t.apply({"v": 1, "op": "drain", "node": "n1"})
-    draining = t.membership()
-    t.apply({"v": 1, "op": "remove", "node": "n1"})
-    down = t.membership()
-    assert down["transition"] is None
-    masters = Masters(t, "unknown node")
-    agent = Agent(masters, "n1", "n1:1", GiB, Store(StoreConfig(mem_bytes=16 << 20, pretouch=False)), None,  # type: ignore[arg-type]
-                  put=lambda *a: [])
-    agent.inc = 1
-    agent._apply_membership(draining, build_now=True)
-    agent._registered.set()
-    agent._apply_membership(down, build_now=True)  # resumed: the newest membership has it no more
-    agent._last_tick = agent._last_led = time.monotonic()
+    agent, masters, t = drained_n1("unknown node", how="remove")
+    agent._apply_membership(t.membership(), build_now=True)  # resumed: the newest membership has it no more
     agent._heartbeat()
     assert "Register" not in masters.calls
     assert agent.left and agent.fenced
