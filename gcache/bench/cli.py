@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -190,12 +191,28 @@ def add_bench_parser(sub: Any) -> None:
         p.set_defaults(fn=_runner(module))
 
 
+def output_error(args: argparse.Namespace) -> str | None:
+    """Why a bench's ``--out`` (a directory) or ``--json`` (a file) cannot be written, or None."""
+    out, path = getattr(args, "out", None), getattr(args, "json", None)
+    if out and os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out}: is a file, not a directory"
+    if path:
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            return f"--json {path}: is a directory, not a file"
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            return f"--json {path}: {parent} is a file, not a directory"
+    return None
+
+
 def _runner(module: str) -> Callable[[argparse.Namespace], int]:
     """Runs ``module.run_cli(args)``, importing the module only then (they pull in numpy, torch...)."""
 
     def run(args: argparse.Namespace) -> int:
         from gcache.mooncake_trace import TraceError
 
+        if err := output_error(args):  # before the measurement, not after it
+            raise SystemExit(f"gcache bench: {err}")
         try:
             result: int = importlib.import_module(module).run_cli(args)
         except (TraceError, UnicodeDecodeError) as exc:  # a trace that is not one: its file, line, problem
