@@ -171,3 +171,26 @@ def test_a_tail_re_mark_of_a_value_waiting_for_the_disk_is_written_with_it(tiere
         gate.set()
     assert s.flush()
     assert s.nvme.index[key].meta.tail == 0 and _tail(s, key) == 0
+
+
+def test_groups_of_emptied_pools_do_not_switch_off_budgets_and_stats_stay_small():
+    """A probe: one value written and deleted in each of 4,096 (namespace, pool) pairs filled the
+    store's group table for good; every pool after that, the budgeted ones included, went
+    untracked (its budget silently off), and STATS listed 8,000 empty pool fields."""
+    s = _store(("kv=25%",), mem=64 * PAGE)
+    try:
+        for i in range(s.MAX_GROUPS):
+            k = ("junk", b"k%d" % i)
+            assert s.put(k, b"x", pool=f"p{i}") is Status.OK
+            assert s.delete(k)
+        for i in range(64):  # 64 pages into a pool whose budget is 16 of them
+            assert s.put(("prod", b"k%d" % i), b"x" * PAGE, pool="kv", pos=i) is Status.OK
+        stats = s.stats()
+        assert stats["pool_budget:prod:kv"] == 16 * PAGE
+        assert stats["pool_bytes:prod:kv"] <= 16 * PAGE
+        assert not any(k.startswith("pool_") and ":junk:" in k for k in stats)
+        # an unbudgeted pool still gets a group once empty ones are dropped
+        assert s.put(("other", b"x"), b"y", pool="fresh") is Status.OK
+        assert s.ram.groups[("other", "fresh")].entries
+    finally:
+        s.close()

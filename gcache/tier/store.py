@@ -259,9 +259,12 @@ class Store:
         entry.seq = self._next_seq()
         self._forget_older(key, entry.seq)
         old = self.ram.index.get(key)
-        if res.group is not None:
-            entry.group = res.group
-            if old is not None and old.group is res.group:
+        group = res.group
+        if group is not None and self.ram.groups.get(group.gid) is not group:
+            group = self._group(group.gid)  # dropped while empty since it was reserved: its successor
+        if group is not None:
+            entry.group = group
+            if old is not None and old.group is group:
                 entry.tail = max(entry.tail, old.tail)
         self.ram.release(self.ram.insert(key, entry))
 
@@ -564,10 +567,19 @@ class Store:
 
     # -- eviction and demotion ---------------------------------------------------------------
     def _group(self, gid: GroupId) -> PoolGroup | None:
-        """Lock held: the pool group ``gid``, created on first use (None beyond MAX_GROUPS)."""
+        """Lock held: the pool group ``gid``, created on first use. At MAX_GROUPS the empty groups
+        are dropped first; a pool with a configured budget always gets its group, others beyond
+        the cap none (their values are then evicted like untagged ones). Before, groups were
+        never dropped: a client that wrote and deleted one value in each of 4,096 (namespace,
+        pool) pairs switched off every budget configured afterwards (the adapter's kv / swa)."""
         group = self.ram.groups.get(gid)
-        if group is None and len(self.ram.groups) < self.MAX_GROUPS:
-            group = self.ram.groups[gid] = PoolGroup(gid, self.budgets.budget(gid))
+        if group is None:
+            budget = self.budgets.budget(gid)
+            if len(self.ram.groups) >= self.MAX_GROUPS:
+                for old in [k for k, g in self.ram.groups.items() if not g.entries]:
+                    del self.ram.groups[old]
+            if budget is not None or len(self.ram.groups) < self.MAX_GROUPS:
+                group = self.ram.groups[gid] = PoolGroup(gid, budget)
         return group
 
     MAX_GROUPS = 4096
@@ -742,6 +754,8 @@ class Store:
                 demote_queue_bytes=self._queue_bytes,
             )
             for (ns, pool), g in self.ram.groups.items():
+                if not g.entries and g.budget is None:
+                    continue  # an empty pool without a budget says nothing (thousands may have been)
                 out[f"pool_bytes:{ns}:{pool}"] = g.bytes
                 out[f"pool_keys:{ns}:{pool}"] = len(g)
                 if g.budget is not None:
