@@ -424,3 +424,21 @@ def test_a_pushed_handover_copy_is_refused_where_no_handover_is_open(ha):
         assert err.value.code == P.ErrorCode.FENCED
         conn.close()
         assert cl.get(["new", "gone", "fresh"]) == [b"v2", None, None]
+
+
+def test_a_master_that_lost_its_quorum_names_no_leader(ha):
+    """Kill the leader and one follower: the survivor kept naming the dead leader for as long as
+    it stayed alone (pysyncobj keeps an isolated follower's last leader), so its readiness, its
+    has_leader metric and `gcache health` said the group was fine while nothing could commit."""
+    c = ha(nodes=1)
+    mc = master_client(c)
+    leader = poll(lambda: mc.call("Status", {})["master"]["leader"], 5)
+    idx = next(i for i, m in enumerate(c.master_procs) if f"--raft {leader}" in " ".join(m.args))
+    others = [i for i in range(3) if i != idx]
+    c.kill(idx, master=True)
+    c.kill(others[0], master=True)
+    alone = MasterClient([c.master_procs[others[1]].address], c.token, timeout_s=1.0)
+    try:
+        assert poll(lambda: alone.call("Status", {})["master"]["leader"] is None, 10), "still names a leader"
+    finally:
+        alone.close()

@@ -121,8 +121,20 @@ class RaftGroup:
 
     @property
     def leader(self) -> str | None:
-        leader = self._obj._getLeader()
-        return None if leader is None else str(leader.address if hasattr(leader, "address") else leader)
+        """The leader as this member knows it: itself, or the leader it is connected to and has
+        heard from within an election timeout; else None. pysyncobj keeps a follower's last
+        leader for as long as the follower is cut off from everyone (it starts no election then),
+        so a master that had lost its quorum went on naming a dead leader, and its readiness,
+        its has_leader metric and `gcache health` said the group was fine."""
+        obj = self._obj
+        leader = obj._getLeader()
+        if leader is None:
+            return None
+        if not obj._isLeader():
+            heard_by = getattr(obj, "_SyncObj__raftElectionDeadline", None)  # moved on by each append
+            if (isinstance(heard_by, float) and heard_by < time.monotonic()) or not obj.isNodeConnected(leader):
+                return None
+        return str(leader.address if hasattr(leader, "address") else leader)
 
     def status(self) -> dict[str, Any]:
         st = self._obj.getStatus()
