@@ -87,6 +87,13 @@ def _master_client(args: argparse.Namespace):
     return MasterClient(url, resolve_token(args.token_file))
 
 
+def _shown(text: object) -> str:
+    """``text`` as it may be printed in a table: a name with spaces, control characters or escape
+    sequences (a record from an older master) is quoted and escaped, never sent to the terminal."""
+    s = str(text)
+    return s if s.isascii() and s.isprintable() and " " not in s else ascii(s)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from gcache.sizes import format_size
 
@@ -103,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"epoch {m['epoch']}   leader {info.get('leader')}   answered by {info.get('grpc')}")
     if m.get("transition"):
         print(f"handover in progress (epoch {m['transition']['epoch']}): waiting for "
-              f"{', '.join(m['transition']['pending'])}")
+              f"{', '.join(map(_shown, m['transition']['pending']))}")
     stats: dict = {}
     if m["nodes"]:
         from gcache.client import Client
@@ -120,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = s.get("ram_used", 0) + s.get("disk_used", 0)
         keys = s.get("ram_keys", 0) + s.get("disk_keys", 0)
         age = out.get("heartbeat_age_s", {}).get(r["id"])
-        print(f"{r['id']:<10} {r['address']:<22} {r['state'].upper():<9} {r['inc']:>4} "
+        print(f"{_shown(r['id']):<10} {_shown(r['address']):<22} {r['state'].upper():<9} {r['inc']:>4} "
               f"{format_size(r['capacity']):>10} {format_size(used) if s and 'error' not in s else '-':>10} "
               f"{keys if s and 'error' not in s else '-':>8} {'-' if age is None else f'{age:.1f}s':>7}")
     return 0

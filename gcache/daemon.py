@@ -35,10 +35,20 @@ log = logging.getLogger("gcached")
 T = TypeVar("T")
 
 
+def _node_id(text: str) -> str:
+    """argparse type: a node id the masters take (gcache.meta.fields.node_error)."""
+    from gcache.meta.fields import node_error
+
+    if err := node_error(text, "--node-id"):
+        raise argparse.ArgumentTypeError(err)
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:7400",
                    help="HOST:PORT for the data plane (port 0 picks a free one; default %(default)s)")
-    p.add_argument("--node-id", default=None, help="stable node id (default: the listen address)")
+    p.add_argument("--node-id", type=_node_id, default=None,
+                   help="stable node id, printable ASCII without spaces (default: the listen address)")
     p.add_argument("--mem", type=argtypes.size, default="1GiB",
                    help="RAM arena size, e.g. 512MiB, 4GiB (default %(default)s)")
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")

@@ -277,3 +277,14 @@ def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(capsys, monkeypatch):
     assert cli.main(["stats", "--nodes", "127.0.0.1:1"]) == 130
     err = capsys.readouterr().err
     assert "gcache stats: interrupted" in err and "Traceback" not in err
+
+
+def test_status_never_prints_a_node_id_raw():
+    """Ids from an older master (which took any string) are escaped: a newline forged a row, and
+    escape sequences reached the terminal."""
+    from gcache.cli import _shown
+
+    assert _shown("node0") == "node0" and _shown("10.0.0.1:7400") == "10.0.0.1:7400"
+    for raw in ("a\nnode0      127.0.0.1:7400  UP", "\x1b[2J\x1b[31mred", " ", "t\u00f6"):
+        shown = _shown(raw)
+        assert "\n" not in shown and "\x1b" not in shown and shown != raw

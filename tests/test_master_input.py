@@ -34,7 +34,8 @@ NILS_4MB = b"\xdd" + (4_000_000).to_bytes(4, "big") + b"\xc0" * 4_000_000  # msg
 
 
 @pytest.mark.parametrize("field, value", [
-    ("node", ""), ("node", 7), ("node", "x" * 256), ("address", "not-an-address"), ("address", "h:0"),
+    ("node", ""), ("node", 7), ("node", "x" * 256), ("node", "a\nb"), ("node", "\x1b[2J"), ("node", " "),
+    ("address", "not-an-address"), ("address", "h:0"),
     ("address", "h:70000"), ("address", 5), ("address", "h" * 300 + ":1"), ("address", "a:1,b:2"),
     ("address", "a b:1"), ("address", "h\nx:1"), ("address", "[zz]:1"), ("address", "[::1:1"),
     ("address", "h:\u0661\u0662"), ("address", "::1:7400"), ("capacity", 0), ("capacity", -1),

@@ -22,8 +22,11 @@ def cut(text: str, limit: int = MAX_MESSAGE) -> str:
 
 
 def node_error(value: Any, name: str = "node") -> str | None:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NODE_ID:
-        return f"'{name}' must be a string of 1..{MAX_NODE_ID} characters"
+    """Why ``value`` cannot be a node id: 1..MAX_NODE_ID printable ASCII characters without spaces
+    (an id is printed in tables and logs: a newline forged a row of `gcache status`, and escape
+    sequences reached the operator's terminal)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NODE_ID or not all("!" <= c <= "~" for c in value):
+        return f"'{name}' must be 1..{MAX_NODE_ID} printable ASCII characters without spaces"
     return None
 
 
