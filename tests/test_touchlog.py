@@ -78,3 +78,21 @@ def test_a_cleared_namespace_refuses_pushes_and_makes_misses_final_for_ttl():
     clock.t += 100
     log.touch(("other", b"x"))  # pruning runs on every touch
     assert not log.touched(K) and log.admit(K, lambda k: False, lambda: None)
+
+
+def test_cleared_namespaces_are_bounded_like_keys():
+    """A probe cleared 16,000 namespaces during a handover: the map of cleared namespaces grew
+    without bound (pruning skips while a handover is open), and every touch rebuilt a list of
+    all of it (a put 2.7x slower). Past ``cap`` it overflows like the key log: nothing vouched
+    for until it has been empty for ttl_s."""
+    clock = Clock()
+    log = TouchLog(ttl_s=30, cap=3, clock=clock)
+    log.set_handover_open(True)
+    for i in range(3):
+        log.touch_namespace(f"ns{i}")
+    assert not log.touched(("elsewhere", b"k"))
+    log.touch_namespace("ns3")  # one past the cap
+    assert log.touched(("elsewhere", b"k")) and not log.admit(("elsewhere", b"k"), lambda k: False, lambda: None)
+    log.set_handover_open(False)
+    clock.t += 31
+    assert not log.touched(("elsewhere", b"k"))

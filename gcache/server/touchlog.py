@@ -35,7 +35,7 @@ class TouchLog:
         self.ttl_s, self.cap, self._clock = ttl_s, cap, clock
         self._lock = threading.Lock()
         self._when: OrderedDict[Key, float] = OrderedDict()  # oldest first
-        self._cleared: dict[str, float] = {}  # namespace -> when a client last cleared it
+        self._cleared: OrderedDict[str, float] = OrderedDict()  # namespace -> when a client last cleared it, oldest first
         self._overflow_at: float | None = None
         self.handover_open = False
         self.refused = 0  # pushed copies not stored because a client got there first
@@ -55,6 +55,11 @@ class TouchLog:
         now = self._clock()
         with self._lock:
             self._cleared[ns] = now
+            self._cleared.move_to_end(ns)
+            if len(self._cleared) > self.cap:
+                self._cleared.clear()
+                self._when.clear()
+                self._overflow_at = now
             self._prune(now)
 
     def touched(self, key: Key) -> bool:
@@ -107,9 +112,11 @@ class TouchLog:
     def _prune(self, now: float) -> None:
         if self.handover_open:
             return
-        if self._cleared:
-            for ns in [ns for ns, t in self._cleared.items() if now - t > self.ttl_s]:
-                del self._cleared[ns]
+        while self._cleared:  # oldest first, like _when: a touch costs what it prunes, not the whole map
+            ns, t = next(iter(self._cleared.items()))
+            if now - t <= self.ttl_s:
+                break
+            del self._cleared[ns]
         while self._when:
             key, t = next(iter(self._when.items()))
             if now - t <= self.ttl_s:
