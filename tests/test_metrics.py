@@ -115,3 +115,21 @@ def test_idle_connections_to_the_metrics_port_are_bounded_and_closed(monkeypatch
         assert poll(lambda: threading.active_count() <= before + 1, 10)
     finally:
         srv.stop()
+
+
+def test_bytes_over_the_local_path_are_counted(make_cluster):
+    """A probe: gcache_bytes_total read 0 for traffic over the shared-memory path (the default
+    for engines on the daemon's host), so the throughput panel showed nothing for it."""
+    from gcache import LocalPath
+
+    cluster = make_cluster(nodes=1, mem="8MiB", extra_args=["--metrics-port", "0", "--no-pretouch"])
+    addr = metrics_address(cluster.daemons[0])
+    m0 = scrape(addr)
+    vals = [np.full(300_000, i, dtype=np.uint8) for i in range(4)]
+    with Client(cluster.addresses, namespace="m", local=LocalPath.FORCE, local_min_bytes=0) as c:
+        assert c.put([f"k{i}" for i in range(4)], vals) == [0] * 4
+        out = [np.empty(300_000, np.uint8) for _ in range(3)]
+        assert c.get_into(["k0", "k1", "absent"], out).hits == 2
+    m1 = scrape(addr)
+    assert delta(m0, m1, 'gcache_bytes_total{direction="in"}') == 1_200_000
+    assert delta(m0, m1, 'gcache_bytes_total{direction="out"}') == 600_000

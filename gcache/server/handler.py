@@ -190,6 +190,7 @@ class Handler:
         self._owner_check: Callable[[str, bytes], bool] | None = None
         self.routed: tuple[int, int] | None = None  # the request's (client epoch, ring epoch it was checked by)
         self.req_flags = 0  # flags of the request being served
+        self.moved = (0, 0)  # bytes in / out of an extra op's request (the local path's, for metrics)
         self._ops: dict[Op, Callable[[int, dict[str, Any]], None]] = {}
         for op, fn in ctx.ops.items():
             self.register_op(op, functools.partial(fn, self))
@@ -276,11 +277,12 @@ class Handler:
             if extra is not None:
                 if payload_len:
                     raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
+                self.moved = (0, 0)
                 extra(req_id, meta)
                 if self.metrics is not None and op in (Op.LGET, Op.LALLOC):  # the local path's gets and puts
                     keys = meta.get("keys")
                     self.metrics.observe("get" if op is Op.LGET else "put", t0,
-                                         len(keys) if isinstance(keys, list) else 0)
+                                         len(keys) if isinstance(keys, list) else 0, *self.moved)
                 return True
             if op in LOCAL_OPS:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"{op.name} is only served on the local (Unix socket) path")

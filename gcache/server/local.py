@@ -186,6 +186,7 @@ class LocalHandler(Handler):
             reply["vm"] = value_meta_list(got)
         self._mark_final_misses(ns, keys, status, reply)
         self.reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
+        self.moved = (0, sum(len(h.view) for h in got if h is not None))  # copied out or sent
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:
         ids = meta.get("ls")
@@ -233,6 +234,7 @@ class LocalHandler(Handler):
         lid = self._new_lease(_Lease(time.monotonic() + self.lease_s, reservations=reservations, ns=ns, meta=vmeta,
                                      routed=self.routed))
         self.reply(Op.LALLOC, req_id, {"st": status, "off": offs, "ls": lid})
+        self.moved = (sum(res.size for _key, res in reservations if res is not None), 0)  # copied in
 
     def _lcommit(self, req_id: int, meta: dict[str, Any]) -> None:
         lease = self._take(meta.get("ls"), to_commit=True)
