@@ -133,3 +133,17 @@ def test_bytes_over_the_local_path_are_counted(make_cluster):
     m1 = scrape(addr)
     assert delta(m0, m1, 'gcache_bytes_total{direction="in"}') == 1_200_000
     assert delta(m0, m1, 'gcache_bytes_total{direction="out"}') == 600_000
+
+
+def test_every_store_stat_has_a_metric(tiered):
+    """A probe: disk_write_errors (a full disk) and other STATS fields had no metric."""
+    import re
+
+    import gcache.tier.store as store_mod
+    from gcache.server.metrics import STORE_COUNTERS, STORE_GAUGES
+
+    exported = set(STORE_COUNTERS) | set(STORE_GAUGES)
+    stats = {k for k in tiered().stats() if not k.startswith("pool_")}
+    counted = set(re.findall(r'self\.counters\["(\w+)"\]', open(store_mod.__file__).read()))
+    counted |= set(re.findall(r'self\.counters\["(\w+)" if', open(store_mod.__file__).read()))
+    assert stats | counted <= exported, sorted((stats | counted) - exported)

@@ -40,14 +40,25 @@ STORE_COUNTERS = {
     "corrupt": ("gcache_corrupt", "NVMe reads that failed their checksum", {}),
     "requests_stalled": ("gcache_requests_stalled",
                          "connections reset: a request's payload or reply moved no byte for --progress-timeout", {}),
+    "demotion_skips": ("gcache_demotion_skips", "evicted values not written to the NVMe tier (not worth it)", {}),
+    "demotions_superseded": ("gcache_demotions_superseded",
+                             "demotions dropped: the value was deleted or overwritten meanwhile", {}),
+    "promotions_dropped": ("gcache_promotions_dropped",
+                           "NVMe hits not promoted: deleted or overwritten while read", {}),
+    "dropped": ("gcache_dropped", "values dropped whole (a node declared down, a ring change it missed)", {}),
+    "disk_write_errors": ("gcache_disk_write_errors", "NVMe tier writes that failed (a full or failing disk)", {}),
+    "disk_corrupt": ("gcache_disk_corrupt", "NVMe records dropped: they failed their checksum", {}),
+    "disk_reclaimed_segments": ("gcache_disk_reclaimed_segments", "NVMe segments reclaimed for space", {}),
 }
 STORE_GAUGES = {
     "ram_capacity": ("gcache_ram_capacity_bytes", "RAM arena size"),
     "ram_used": ("gcache_ram_used_bytes", "RAM arena bytes allocated"),
     "ram_keys": ("gcache_ram_keys", "values in RAM"),
+    "ram_value_bytes": ("gcache_ram_value_bytes", "bytes of the values in RAM (ram_used less slot rounding)"),
     "demote_queue_bytes": ("gcache_demote_queue_bytes", "evicted bytes waiting for the NVMe tier"),
     "disk_budget": ("gcache_disk_budget_bytes", "NVMe tier byte budget"),
-    "disk_used": ("gcache_disk_used_bytes", "NVMe tier bytes in use"),
+    "disk_used": ("gcache_disk_used_bytes", "NVMe tier bytes occupied (records of deleted values too, until "
+                                            "their segment is reclaimed)"),
     "disk_keys": ("gcache_disk_keys", "values in the NVMe tier"),
 }
 
