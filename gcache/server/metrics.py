@@ -57,8 +57,8 @@ STORE_GAUGES = {
     "ram_value_bytes": ("gcache_ram_value_bytes", "bytes of the values in RAM (ram_used less slot rounding)"),
     "demote_queue_bytes": ("gcache_demote_queue_bytes", "evicted bytes waiting for the NVMe tier"),
     "disk_budget": ("gcache_disk_budget_bytes", "NVMe tier byte budget"),
-    "disk_used": ("gcache_disk_used_bytes", "NVMe tier bytes occupied (records of deleted values too, until "
-                                            "their segment is reclaimed)"),
+    "disk_used": ("gcache_disk_used_bytes",
+                  "NVMe tier bytes occupied (records of deleted values too, until their segment is reclaimed)"),
     "disk_keys": ("gcache_disk_keys", "values in the NVMe tier"),
 }
 
