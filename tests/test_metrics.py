@@ -144,6 +144,9 @@ def test_every_store_stat_has_a_metric(tiered):
 
     exported = set(STORE_COUNTERS) | set(STORE_GAUGES)
     stats = {k for k in tiered().stats() if not k.startswith("pool_")}
-    counted = set(re.findall(r'self\.counters\["(\w+)"\]', open(store_mod.__file__).read()))
-    counted |= set(re.findall(r'self\.counters\["(\w+)" if', open(store_mod.__file__).read()))
+    from pathlib import Path
+
+    source = Path(store_mod.__file__).read_text()
+    counted = set(re.findall(r'self\.counters\["(\w+)"(?:\]| if)', source))
+    counted |= set(re.findall(r'else "(\w+)"\] \+=', source))
     assert stats | counted <= exported, sorted((stats | counted) - exported)
