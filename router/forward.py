@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -70,11 +71,13 @@ class Forwarded:
 
 
 def request_bytes(req: Request, target: Target) -> bytes:
-    """The upstream request: the client's own headers minus hop-by-hop ones, the body as sent."""
+    """The upstream request: the client's own headers minus hop-by-hop ones (the fixed set, and
+    those the client's Connection header names, RFC 9110 7.6.1), the body as sent."""
     parts = [b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
              % (target.path, req.path_qs.encode("utf-8", "surrogateescape"), target.host, len(req.body))]
+    named = {tok.strip().lower() for k, v in req.headers if k.lower() == b"connection" for tok in v.split(b",")}
     for k, v in req.headers:
-        if k.lower() not in HOP_HEADERS:
+        if k.lower() not in HOP_HEADERS and k.lower() not in named:
             parts.append(b"%s: %s\r\n" % (k, v))
     parts.append(b"\r\n")
     parts.append(req.body)
@@ -83,6 +86,7 @@ def request_bytes(req: Request, target: Target) -> bytes:
 
 async def forward(pool: UpstreamPool, req: Request, conn: HttpConnection, target: Target, t: Timeouts,
                   extra_headers: list[bytes], on_first_byte: Callable[[], Awaitable[None]]) -> Forwarded:
+    sent_at = time.monotonic()
     try:
         up = await pool.post(target.key, request_bytes(req, target), t.first_byte_s)
     except Unreached as e:
@@ -106,7 +110,7 @@ async def forward(pool: UpstreamPool, req: Request, conn: HttpConnection, target
             hdrs.append(b"Content-Length: %d\r\n" % len(body))
             conn.write(head_bytes(up.status, hdrs, conn.keep_alive, up.reason) + body)
             return Forwarded(None, ok, up.status)
-        return await _stream(conn, up, hdrs, t, on_first_byte, ok, target)
+        return await _stream(conn, up, hdrs, t, on_first_byte, ok, target, sent_at)
     except (TimeoutError, UpstreamError) as e:
         log.warning("worker %s failed mid-response: %s: %s", target.key, type(e).__name__, e)
         return Forwarded(json_error(502, f"the worker failed mid-response: {type(e).__name__}", "upstream_error"),
@@ -116,12 +120,16 @@ async def forward(pool: UpstreamPool, req: Request, conn: HttpConnection, target
 
 
 async def _stream(conn: HttpConnection, up: UpstreamConn, hdrs: list[bytes], t: Timeouts,
-                  on_first_byte: Callable[[], Awaitable[None]], ok: bool, target: Target) -> Forwarded:
+                  on_first_byte: Callable[[], Awaitable[None]], ok: bool, target: Target,
+                  sent_at: float) -> Forwarded:
     conn.write_head(up.status, hdrs, up.reason)
     first = True
     try:
         while True:
-            chunks = await up.next_chunks(t.idle_s)
+            # the first chunk is the prefill's wait (a worker sends its headers at once, then
+            # the first token): the first-byte budget, what is left of it; the idle one after
+            wait = max(t.first_byte_s - (time.monotonic() - sent_at), t.idle_s) if first else t.idle_s
+            chunks = await up.next_chunks(wait)
             if not chunks:
                 break
             if first:

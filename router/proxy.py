@@ -133,7 +133,8 @@ class Router:
             resp: Response | None
             try:
                 resp, status = await self._handle_llm(req, conn)
-            except ConnectionResetError:
+            except ConnectionResetError:  # the client left first: counted as nginx does (499)
+                self.metrics.count_request(path, 499)
                 raise
             except Exception:  # a bug: still a JSON answer, still counted
                 log.exception("unexpected error handling %s", req.path)

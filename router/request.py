@@ -108,9 +108,11 @@ class _Req:
         self.media: list[str] = []
 
     def from_batch(self, prompt: object, name: str) -> ParsedRequest:
-        """One prompt, or a batch of them (a list of strings or of token lists): the longest."""
+        """One prompt, or a batch of them (a list of strings or of token lists): the longest,
+        picked by length before anything is hashed (hashing all 400,000 prompts of a 30 MB batch
+        held the event loop 2.5 s, every other client with it)."""
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            return max((self.from_prompt(p, name) for p in prompt), key=lambda r: r.n_tokens)
+            return self.from_prompt(max(prompt, key=len), name)
         return self.from_prompt(prompt, name)
 
     def from_prompt(self, prompt: object, name: str) -> ParsedRequest:

@@ -42,6 +42,7 @@ class FakeWorker:
         self.gate = asyncio.Event()
         self.tickets = asyncio.Semaphore(0)
         self.bodies: list[bytes] = []
+        self.seen_headers: list[dict] = []  # each request's headers, as the worker got them
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -75,6 +76,7 @@ class FakeWorker:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.bodies.append(raw)
+        self.seen_headers.append(dict(request.headers))
         body = json.loads(raw)
         digest = hashlib.sha256(raw).hexdigest()
         if body.get("fail") or self.fail_status:
@@ -100,6 +102,8 @@ class FakeWorker:
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
+                if body.get("first_event_s"):  # headers at once, the first token later (SGLang's way)
+                    await asyncio.sleep(float(body["first_event_s"]))
                 for i in range(int(body.get("chunks", 3))):
                     if body.get("gate") and i > 0:
                         await self.gate.wait()

@@ -200,3 +200,48 @@ def test_upstream_5xx_is_passed_back_and_the_queue_still_drains():
                 r.release()
             await poll(lambda: _idle(router), what="leases released")
     asyncio.run(main())
+
+
+def test_a_streams_first_event_gets_the_first_byte_budget_not_the_idle_one():
+    """A worker that sends its SSE headers at once and its first event after the prefill (as
+    SGLang does): the router waited for that event with the idle timeout and cut the stream
+    (a probe: 120 s idle cut every long-context stream whose first token took longer)."""
+
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for(
+                [WorkerSpec(wurl)], upstream_first_byte_timeout_s=10, upstream_idle_timeout_s=0.3) as (url, s, router):
+            async with s.post(url + "/generate", json={"text": "hi", "stream": True, "chunks": 2,
+                                                       "first_event_s": 1.0}) as r:
+                assert r.status == 200
+                body = await r.read()
+            assert body.count(b"data: ") == 3 and body.endswith(b"data: [DONE]\n\n")
+            await poll(lambda: _idle(router), what="leases released")
+    asyncio.run(main())
+
+
+def test_headers_the_connection_header_names_are_not_forwarded():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for([WorkerSpec(wurl)]) as (url, s, _):
+            async with s.post(url + "/v1/completions", json={"prompt": "x"},
+                              headers={"Connection": "keep-alive, X-Secret", "X-Secret": "s3cr3t",
+                                       "X-Kept": "1"}) as r:
+                assert r.status == 200
+            got = {k.lower() for k in fake.seen_headers[-1]}
+            assert "x-secret" not in got and "x-kept" in got
+    asyncio.run(main())
+
+
+def test_a_request_whose_client_left_is_counted_499():
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl, router_for([WorkerSpec(wurl)]) as (url, s, _router):
+            with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+                async with s.post(url + "/v1/completions", json={"prompt": "slow", "hold": True},
+                                  timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+            fake.gate.set()
+            await poll(lambda: metric(s, url, 'gcache_router_requests_total{route="/v1/completions",status="499"}'),
+                       what="the abandoned request counted")
+    asyncio.run(main())
