@@ -81,6 +81,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds until a worker's response headers (default: %(default)s)")
     p.add_argument("--idle-timeout", type=float, default=d.upstream_idle_timeout_s,
                    help="longest silence in seconds between two chunks of a response (default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM, seconds the requests already taken (in flight or queued) may run to their "
+                        "end; no new connection is accepted meanwhile (default: %(default)s)")
     p.add_argument("--retries", type=int, default=d.retries,
                    help="other workers to try when the chosen one was never reached (default: %(default)s)")
     p.add_argument("--breaker-failures", type=int, default=d.breaker.failures,
@@ -152,6 +155,7 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
         upstream_connect_timeout_s=a.connect_timeout,
         upstream_first_byte_timeout_s=a.first_byte_timeout,
         upstream_idle_timeout_s=a.idle_timeout,
+        drain_timeout_s=a.drain_timeout,
         retries=a.retries,
         breaker=BreakerConfig(a.breaker_failures, a.breaker_open),
         admin_token=token,

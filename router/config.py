@@ -330,6 +330,8 @@ class RouterConfig:
     upstream_first_byte_timeout_s: from sending the request to the worker's response headers
         (a non-streaming answer arrives whole, so this bounds the whole generation) (504).
     upstream_idle_timeout_s: longest silence between two chunks of a response body.
+    drain_timeout_s: on SIGTERM / SIGINT, how long requests already taken (in flight or queued)
+        may run to their end before the rest are cut; no new connection is accepted meanwhile.
     breaker: per-worker circuit breaker on 5xx answers and timeouts, shared by replicas.
     admin_token: the bearer token of the /admin API; None = the admin API is off (403).
     worker_header: answer with ``X-Gcache-Worker: <worker id>`` (never the URL); off by default.
@@ -352,6 +354,7 @@ class RouterConfig:
     upstream_connect_timeout_s: float = 5.0
     upstream_first_byte_timeout_s: float = 600.0
     upstream_idle_timeout_s: float = 120.0
+    drain_timeout_s: float = 25.0
     retries: int = 2
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     admin_token: str | None = None
@@ -368,6 +371,7 @@ class RouterConfig:
         for name in ("client_body_timeout_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
                      "upstream_idle_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
         _check(self.l3 is None or self.prefix.page_tokens > 0,
                "L3 awareness needs the engines' page size (page_tokens, --page-size)")

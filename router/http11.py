@@ -394,6 +394,20 @@ class HttpServer:
             for c in list(self.conns):
                 c.sweep(now)
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop accepting, then wait (at most ``timeout_s``) until no connection has a request
+        being answered or waiting; True if none was left. A rolling restart then cuts no
+        generation that could finish in time (before, SIGTERM closed every connection at once:
+        streams cut, queued clients given no answer at all)."""
+        if self.server is not None:
+            self.server.close()
+        deadline = self.loop.time() + timeout_s
+        while any(c._busy or c._queue or c._in_msg for c in self.conns):
+            if self.loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()

@@ -275,8 +275,11 @@ class RouterApp:
             await self.router.stop()
             raise
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Stop; with ``drain_s``, first let the requests already taken finish (at most that long)."""
         if self.server is not None:
+            if drain_s > 0 and not await self.server.drain(drain_s):
+                log.warning("requests still running after the %gs drain: cut", drain_s)
             await self.server.stop()
         await self.router.stop()
 
@@ -306,8 +309,10 @@ def run(app: RouterApp, host: str, port: int, on_listening: Callable[[str], None
             loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
+            log.info("stopping: no new connections; requests already taken may run %gs",
+                     app.router.cfg.drain_timeout_s)
         finally:
-            await app.stop()
+            await app.stop(drain_s=app.router.cfg.drain_timeout_s if stop.is_set() else 0.0)
 
     try:
         import uvloop

@@ -245,3 +245,33 @@ def test_a_request_whose_client_left_is_counted_499():
             await poll(lambda: metric(s, url, 'gcache_router_requests_total{route="/v1/completions",status="499"}'),
                        what="the abandoned request counted")
     asyncio.run(main())
+
+
+def test_a_stopping_router_lets_requests_already_taken_finish():
+    """SIGTERM closed every connection at once: streams cut, queued clients given no answer at
+    all (a probe). Stopping with a drain: no new connection is accepted, the requests already
+    taken (one at the worker, one queued behind it) are answered."""
+    async def main():
+        fake = FakeWorker("w0")
+        async with serve_app(fake.app()) as wurl:
+            app = build_app(test_config(), [WorkerSpec(wurl, max_inflight=1)])
+            host, port = (await app.start("127.0.0.1", 0))[0]
+            url = f"http://{host}:{port}"
+            async with aiohttp.ClientSession() as s:
+                async def ask(prompt):
+                    async with s.post(url + "/v1/completions", json={"prompt": prompt, "hold": True}) as r:
+                        return r.status, await r.json()
+
+                first = asyncio.ensure_future(ask("one"))
+                await poll(lambda: fake.active == 1, what="the first request at the worker")
+                second = asyncio.ensure_future(ask("two"))  # queued: the worker takes one at a time
+                await poll(lambda: sum(c._busy for c in app.server.conns) == 2, what="both requests taken")
+                stopping = asyncio.ensure_future(app.stop(drain_s=10))
+                await asyncio.sleep(0.2)
+                with pytest.raises(aiohttp.ClientConnectorError):  # no new connection meanwhile
+                    async with aiohttp.ClientSession() as fresh:
+                        await fresh.get(url + "/health")
+                fake.gate.set()
+                assert [(await first)[0], (await second)[0]] == [200, 200]
+                await stopping
+    asyncio.run(main())
