@@ -109,6 +109,10 @@ class Admission:
         if p.outcome is Outcome.NO_MODEL:
             self.metrics.rejected.labels("no_model").inc()
             raise Rejected(404, "model_not_found", f"no worker serves model {req.model!r}; GET /v1/models lists them")
+        if p.outcome is Outcome.NO_WORKER and req.media_keys and not exclude:
+            got = await self._wait_for_encoder(req, gone)  # only encoders serve it: wait for one
+            if got is not None:
+                return got
         if p.outcome is Outcome.NO_WORKER:
             self.metrics.rejected.labels("no_worker").inc()
             raise Rejected(503, "no_worker", f"no healthy worker can serve a prompt of ~{req.n_tokens} tokens",
@@ -304,6 +308,28 @@ class Admission:
             return None  # the owner is saturated: fall back to ordinary routing
         self.metrics.routed(self.policy.name, Reason.ENCODER_AFFINITY.value, req.n_tokens, 0)
         return lease, Decision(owner, Reason.ENCODER_AFFINITY, 0)
+
+    async def _wait_for_encoder(self, req: ParsedRequest,
+                                gone: Callable[[], asyncio.Future] | None) -> tuple[Lease, Decision] | None:
+        """A media request no LLM worker serves, its encoder saturated: wait for the encoder (at
+        most max_wait_s, as a queued request would) instead of a 503 at once that blamed a
+        missing worker. None: no encoder at all, or none freed up in time."""
+        deadline = time.monotonic() + self.cfg.queue.max_wait_s
+        left = gone() if gone is not None else None  # the connection's (shared): never cancelled here
+        while time.monotonic() < deadline:
+            snap = await self.state.snapshot(())
+            if not any(s.spec.role == "encoder" and s.routable and s.spec.serves(req.model) for s in snap):
+                return None
+            got = await self._try_encoder(req)
+            if got is not None:
+                return got
+            if left is not None and left.done():
+                self.metrics.rejected.labels("client_gone").inc()
+                raise ConnectionResetError("the client left while waiting for an encoder")
+            await asyncio.sleep(self.poll_s)
+        self.metrics.rejected.labels("queue_timeout").inc()
+        raise Rejected(503, "queue_timeout", f"the encoder for this request stayed busy for "
+                                             f"{self.cfg.queue.max_wait_s:g}s; retry later", retry_after=1.0)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():

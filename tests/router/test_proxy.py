@@ -317,3 +317,31 @@ def test_prompts_shorter_than_a_block_spread_over_idle_workers():
                     again.append(r.headers["X-Gcache-Worker"])
             assert again == [seen[7]] * 3
     asyncio.run(main())
+
+
+def test_a_media_request_waits_for_its_busy_encoder_when_no_llm_worker_serves_it():
+    """Only encoder workers, the one an image belongs to busy: the request got an instant 503
+    saying no healthy worker could serve it (a probe); now it waits for the encoder as a queued
+    request would."""
+    async def main():
+        enc = FakeWorker("e0")
+        async with serve_app(enc.app()) as eurl:
+            app = build_app(test_config(), [WorkerSpec(eurl, role="encoder", max_inflight=1)])
+            async with serve_app(app) as url, aiohttp.ClientSession() as s:
+                def body(hold):
+                    return {"messages": [{"role": "user", "content": [
+                        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "AAAA"}}]}],
+                        "hold": hold}
+
+                async def ask(hold):
+                    async with s.post(url + "/v1/chat/completions", json=body(hold)) as r:
+                        return r.status
+
+                first = asyncio.ensure_future(ask(True))
+                await poll(lambda: enc.active == 1, what="the encoder busy")
+                second = asyncio.ensure_future(ask(False))
+                await asyncio.sleep(0.3)
+                assert not second.done(), "answered while the encoder was busy (before: an instant 503)"
+                enc.gate.set()
+                assert [await first, await second] == [200, 200]
+    asyncio.run(main())
