@@ -46,6 +46,15 @@ class DaemonProc:
         return f"{self.kind} {self.node_id}"
 
 
+def _state(pid: int) -> str:
+    """The kernel's state letter of process ``pid`` (R, S, T, ...; "" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,11 +197,18 @@ class LocalCluster:
             return ""
 
     def kill(self, index: int, sig: int = signal.SIGKILL, master: bool = False) -> None:
+        """Send ``sig``; SIGKILL / SIGTERM return once the process has exited, SIGSTOP once the
+        kernel reports it stopped (delivery is asynchronous: a daemon sent SIGSTOP could still
+        answer a request sent right after, which a test then took for a stopped one answering)."""
         d = (self.master_procs if master else self.daemons)[index]
         if d.proc is not None and d.proc.poll() is None:
             d.proc.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 d.proc.wait(timeout=30)
+            elif sig == signal.SIGSTOP:
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and _state(d.proc.pid) not in ("T", "t"):
+                    time.sleep(0.001)
 
     def restart(self, index: int, master: bool = False) -> None:
         """Start a stopped daemon (or master) again on the same port and disk directory."""

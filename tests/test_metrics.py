@@ -44,8 +44,8 @@ def test_counters_move_with_traffic(make_cluster):
         m1 = scrape(addr)
         assert delta(m0, m1, 'gcache_request_seconds_count{op="put"}') == 1  # one request per batch
         assert delta(m0, m1, 'gcache_request_keys_total{op="put"}') == 4
-        assert delta(m0, m1, 'gcache_bytes_total{direction="in"}') == 400_000
-        assert delta(m0, m1, 'gcache_bytes_total{direction="out"}') == 200_000
+        assert delta(m0, m1, 'gcache_bytes_total{direction="in",path="tcp"}') == 400_000
+        assert delta(m0, m1, 'gcache_bytes_total{direction="out",path="tcp"}') == 200_000
         assert delta(m0, m1, 'gcache_hits_total{tier="ram"}') == 2
         assert delta(m0, m1, "gcache_misses_total") == 1
         assert delta(m0, m1, 'gcache_request_keys_total{op="exists"}') == 2
@@ -131,8 +131,8 @@ def test_bytes_over_the_local_path_are_counted(make_cluster):
         out = [np.empty(300_000, np.uint8) for _ in range(3)]
         assert c.get_into(["k0", "k1", "absent"], out).hits == 2
     m1 = scrape(addr)
-    assert delta(m0, m1, 'gcache_bytes_total{direction="in"}') == 1_200_000
-    assert delta(m0, m1, 'gcache_bytes_total{direction="out"}') == 600_000
+    assert delta(m0, m1, 'gcache_bytes_total{direction="in",path="local"}') == 1_200_000
+    assert delta(m0, m1, 'gcache_bytes_total{direction="out",path="local"}') == 600_000
 
 
 def test_every_store_stat_has_a_metric(tiered):

@@ -191,6 +191,7 @@ class Handler:
         self.routed: tuple[int, int] | None = None  # the request's (client epoch, ring epoch it was checked by)
         self.req_flags = 0  # flags of the request being served
         self.moved = (0, 0)  # bytes in / out of an extra op's request (the local path's, for metrics)
+        self.path = "tcp"  # the metrics' path label: LocalHandler "local", UCX's inner handler "ucx"
         self._ops: dict[Op, Callable[[int, dict[str, Any]], None]] = {}
         for op, fn in ctx.ops.items():
             self.register_op(op, functools.partial(fn, self))
@@ -282,7 +283,7 @@ class Handler:
                 if self.metrics is not None and op in (Op.LGET, Op.LALLOC):  # the local path's gets and puts
                     keys = meta.get("keys")
                     self.metrics.observe("get" if op is Op.LGET else "put", t0,
-                                         len(keys) if isinstance(keys, list) else 0, *self.moved)
+                                         len(keys) if isinstance(keys, list) else 0, *self.moved, path=self.path)
                 return True
             if op in LOCAL_OPS:
                 raise Refused(ErrorCode.UNKNOWN_OP, f"{op.name} is only served on the local (Unix socket) path")
@@ -292,14 +293,14 @@ class Handler:
                 reply, consumed = self._put(meta, payload_len)
                 self.reply(op, req_id, reply)
                 if self.metrics is not None:
-                    self.metrics.observe("put", t0, len(reply["st"]), consumed)
+                    self.metrics.observe("put", t0, len(reply["st"]), consumed, path=self.path)
                 return True
             if payload_len:
                 raise Refused(ErrorCode.BAD_META, f"{op.name} carries no payload, got {payload_len} bytes")
             if op is Op.GET:
                 sent = self._get(req_id, meta)
                 if self.metrics is not None:
-                    self.metrics.observe("get", t0, len(meta["keys"]), 0, sent)
+                    self.metrics.observe("get", t0, len(meta["keys"]), 0, sent, path=self.path)
                 return True
             self.reply(op, req_id, self._simple(op, meta))
             if self.metrics is not None:

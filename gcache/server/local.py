@@ -71,6 +71,7 @@ class _Lease:
 class LocalHandler(Handler):
     def __init__(self, stream: SocketStream, server: LocalServer, state: ConnState | None = None) -> None:
         super().__init__(stream, server.ctx, state)
+        self.path = "local"
         self.unix = stream
         self.server = server
         self.lease_s = server.lease_s

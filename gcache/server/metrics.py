@@ -93,18 +93,23 @@ class RequestMetrics:
         lat = Histogram("gcache_request_seconds", "time to serve one request (batch), by op", ["op"],
                         buckets=BUCKETS, registry=self.registry)
         keys = Counter("gcache_request_keys", "keys in requests, by op", ["op"], registry=self.registry)
-        byt = Counter("gcache_bytes", "payload bytes, by direction", ["direction"], registry=self.registry)
+        byt = Counter("gcache_bytes", "payload bytes, by direction and path (tcp, local: the shared-memory "
+                      "path, copied through the arena or inline over its Unix socket, ucx)",
+                      ["direction", "path"], registry=self.registry)
         # label children resolved once: observe() does no label lookups
         self._lat = {op: lat.labels(op) for op in self.OPS}
         self._keys = {op: keys.labels(op) for op in self.OPS}
-        self._in, self._out = byt.labels("in"), byt.labels("out")
+        self._bytes = {(d, p): byt.labels(d, p) for d in ("in", "out") for p in self.PATHS}
         self._lat_family, self._keys_family = lat, keys
         if stats is not None:
             self.registry.register(StoreCollector(stats))
         self.address = ""
         self._server: Any = None  # the WSGI server, once serving
 
-    def observe(self, op: str, t0: float, nkeys: int = 0, bytes_in: int = 0, bytes_out: int = 0) -> None:
+    PATHS = ("tcp", "local", "ucx")
+
+    def observe(self, op: str, t0: float, nkeys: int = 0, bytes_in: int = 0, bytes_out: int = 0,
+                path: str = "tcp") -> None:
         """Count one served request that started at ``time.perf_counter() == t0``."""
         lat = self._lat.get(op)
         if lat is None:  # an op added after this list was written: count it under its own name
@@ -114,9 +119,9 @@ class RequestMetrics:
         if nkeys:
             self._keys[op].inc(nkeys)
         if bytes_in:
-            self._in.inc(bytes_in)
+            self._bytes["in", path].inc(bytes_in)
         if bytes_out:
-            self._out.inc(bytes_out)
+            self._bytes["out", path].inc(bytes_out)
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> str:
         """Serve /metrics on host:port (0 picks a free port); returns "host:port"."""
@@ -193,8 +198,8 @@ def cluster_table(endpoints: dict[str, str]) -> str:
         f = {
             "req": sum(v for k, v in m.items() if k.startswith("gcache_request_seconds_count")),
             "keys": sum(v for k, v in m.items() if k.startswith("gcache_request_keys_total")),
-            "in": m.get('gcache_bytes_total{direction="in"}', 0.0),
-            "out": m.get('gcache_bytes_total{direction="out"}', 0.0),
+            "in": sum(v for k, v in m.items() if k.startswith('gcache_bytes_total{direction="in"')),
+            "out": sum(v for k, v in m.items() if k.startswith('gcache_bytes_total{direction="out"')),
             "ram": m.get('gcache_hits_total{tier="ram"}', 0.0),
             "nvme": m.get('gcache_hits_total{tier="nvme"}', 0.0),
             "miss": m.get("gcache_misses_total", 0.0),

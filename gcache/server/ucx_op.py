@@ -43,6 +43,7 @@ def _serve(handler: Handler, host: str, req_id: int, meta: dict[str, Any]) -> No
     # the daemon's limits and this connection's admission state carry over to the UCX side;
     # UCX_CONNECT is only served after HELLO when a token is set, so the UCX side is authenticated
     inner = Handler(stream, handler.ctx, handler.state, authed=handler.authed)
+    inner.path = "ucx"
     try:
         inner.serve()
     finally:

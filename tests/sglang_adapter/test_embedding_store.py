@@ -150,15 +150,16 @@ def test_two_controllers_in_two_processes_share_through_local_shared_memory(emb)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta['gcache_request_keys_total{op="put"}'] >= n
     assert delta['gcache_request_keys_total{op="get"}'] >= n
-    assert delta.get('gcache_bytes_total{direction="in"}', 0) == 0
-    assert delta.get('gcache_bytes_total{direction="out"}', 0) == 0
+    assert delta.get('gcache_bytes_total{direction="in",path="tcp"}', 0) == 0
+    assert delta.get('gcache_bytes_total{direction="out",path="tcp"}', 0) == 0
+    assert delta.get('gcache_bytes_total{direction="out",path="local"}', 0) >= n * TOKENS * HIDDEN * 2
     # the same get with the local path off does move the bytes over TCP (the metric can tell)
     _, tcp_ctrl = make(local="off")
     tcp_ctrl.prefetch("tcp", hashes[:1], [TOKENS], Modality.IMAGE)
     wait_prefetch(tcp_ctrl, "tcp")
     assert tcp_ctrl.has_local_embedding(hashes[0])
-    out_bytes = scrape(metrics_at).get('gcache_bytes_total{direction="out"}', 0) - after.get(
-        'gcache_bytes_total{direction="out"}', 0)
+    out_bytes = scrape(metrics_at).get('gcache_bytes_total{direction="out",path="tcp"}', 0) - after.get(
+        'gcache_bytes_total{direction="out",path="tcp"}', 0)
     assert out_bytes == TOKENS * HIDDEN * 2
 
 
