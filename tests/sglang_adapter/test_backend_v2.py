@@ -153,3 +153,35 @@ def test_a_hybrid_deployment_on_the_generic_page_path_restores_only_what_it_can_
                            (_controller(cluster.addresses, seed=9), generic)):
         op, hit_tokens, acks = _prefetch(reader, writer.tokens, dst_kv, dst_swa)
         assert (hit_tokens, op.pool_storage_result.restorable_prefix_pages, acks) == (0, [], [])
+
+
+def test_under_swa_pressure_whole_windows_are_evicted_and_shared_prefixes_stay_restorable(make_cluster):
+    """A prober: the SWA pool orders eviction by (tail, recency bucket, -position, seq), and a
+    window's pages had consecutive positions, so the last page of every window went before the
+    first of any: under pressure 63 of 64 windows held were half windows (restorable: 1). And a
+    backup re-marked the pages before its window as interior, which broke the window of a shared
+    prefix that other branches restore from. Now a window's pages share one position and no
+    window is demoted: what the pool holds is whole windows."""
+    torch_ = __import__("torch")
+    # 4 KiB SWA budget per daemon = a few windows of 2 pages (3 layers x 4 tokens x 128 B x K/V)
+    cluster = make_cluster(nodes=1, mem="32MiB", extra_args=["--pool-budget", "swa=24KiB", "--no-pretouch"])
+    w = _controller(cluster.addresses, seed=5)
+    chains = []
+    for i in range(40):  # cold sequences, each a 3-page chain with its 2-page window
+        tokens = list(range(100_000 + 1000 * i, 100_000 + 1000 * i + 3 * PAGE))
+        chains.append(_backup(w, tokens, [], torch_.arange(0, 3 * PAGE), torch_.arange(16, 16 + WINDOW_PAGES * PAGE)))
+    held = [sum(w.storage.client.exists(w.storage.page_keys(h[-WINDOW_PAGES:], "swa"))) for h in chains]
+    assert sum(1 for n in held if 0 < n < WINDOW_PAGES) <= 1, held  # at most the one being written over
+    assert sum(1 for n in held if n == WINDOW_PAGES) >= 2, held
+
+
+def test_a_childs_backup_leaves_its_prefixs_window_a_restore_point(make_cluster):
+    torch_ = __import__("torch")
+    cluster = make_cluster(nodes=1, mem="32MiB", extra_args=["--no-pretouch"])
+    w = _controller(cluster.addresses, seed=6)
+    tokens = list(range(7000, 7000 + 6 * PAGE))
+    first = _backup(w, tokens[:3 * PAGE], [], torch_.arange(0, 3 * PAGE), torch_.arange(16, 24))
+    _backup(w, tokens[3 * PAGE:5 * PAGE], first, torch_.arange(3 * PAGE, 5 * PAGE), torch_.arange(40, 48))
+    keys = w.storage.page_keys(first[-WINDOW_PAGES:], "swa")
+    got = w.storage.client.get_into(keys, [bytearray(1 << 16) for _ in keys], with_meta=True)
+    assert [m.tail for m in got.meta] == [1] * WINDOW_PAGES  # before: the child re-marked one interior
