@@ -58,6 +58,7 @@ from sglang_adapter.keys import KeyScheme, model_name, page_format
 from sglang_adapter.pages import deployment_identity, page_bytes, page_views, pool_format, served_model
 from sglang_adapter.window import PoolCheck, leading, window_safe
 
+CLEAR_WAIT_S = 5.0  # longest a clear holds SGLang's scheduler thread (clear)
 log = logging.getLogger(__name__)
 KV = "kv"
 #: host pools whose bytes differ per TP rank even in an MLA model (heads or state split over the ranks)
@@ -359,7 +360,10 @@ class GCacheStorage(HiCacheStorage):
         clear that did not reach every daemon is logged as an error naming them."""
         ns = self.config.namespace
         try:
-            res = self.client.clear()
+            # SGLang calls this on its scheduler thread: a stalled daemon must not stop scheduling
+            # for the client's 30 s clear timeout (a prober); a daemon still deleting past this
+            # finishes on its own, and is only reported as not acknowledged
+            res = self.client.clear(timeout_s=max(self.config.timeout_s, CLEAR_WAIT_S))
         except Exception:
             log.exception("gcache storage: clear of namespace %r failed: it is NOT complete, pages may remain", ns)
             return False

@@ -49,3 +49,23 @@ def test_a_clear_that_misses_a_daemon_returns_false_and_logs_it(make_cluster, ca
     with caplog.at_level(logging.ERROR, logger="sglang_adapter.backend"):
         assert w.storage.clear() is False
     assert "NOT complete" in caplog.text and cluster.addresses[1] in caplog.text
+
+
+def test_a_clear_with_a_stalled_daemon_holds_the_scheduler_briefly(make_cluster, caplog):
+    """SGLang calls clear on its scheduler thread: with one daemon SIGSTOPped it held it for the
+    client's 30 s clear timeout (a prober); now for at most CLEAR_WAIT_S."""
+    import time
+
+    from sglang_adapter.backend import CLEAR_WAIT_S
+
+    cluster = make_cluster(nodes=2, mem="32MiB", extra_args=["--no-pretouch"])
+    w = _controller(cluster.addresses, seed=2)
+    cluster.kill(1, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="sglang_adapter.backend"):
+            assert w.storage.clear() is False
+        assert time.monotonic() - t0 < CLEAR_WAIT_S + 3
+        assert "NOT complete" in caplog.text
+    finally:
+        cluster.kill(1, signal.SIGCONT)
