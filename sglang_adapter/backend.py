@@ -59,6 +59,7 @@ from sglang_adapter.pages import deployment_identity, page_bytes, page_views, po
 from sglang_adapter.window import PoolCheck, leading, window_safe
 
 CLEAR_WAIT_S = 5.0  # longest a clear holds SGLang's scheduler thread (clear)
+EXISTS_KEYS_PER_TIMEOUT = 65536  # keys an existence round may take per timeout_s (_exists_by)
 log = logging.getLogger(__name__)
 KV = "kv"
 #: host pools whose bytes differ per TP rank even in an MLA model (heads or state split over the ranks)
@@ -187,9 +188,16 @@ class GCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._set_pages(KV, keys, host_indices, _base(extra_info), trailing=False)
 
+    def _exists_timeout(self, nkeys: int) -> float:
+        """The timeout of one existence round of ``nkeys`` keys: timeout_s, and more for a round
+        past EXISTS_KEYS_PER_TIMEOUT keys (a 128k-token prompt at page size 1 is 262,144 keys over
+        KV and SWA: a whole miss at timeout_s, though every page was there, where its recompute
+        costs far more than the longer wait)."""
+        return self.config.timeout_s * max(1.0, nkeys / EXISTS_KEYS_PER_TIMEOUT)
+
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
-            return leading(self.client.exists(self._kv_keys(keys)))
+            return leading(self.client.exists(self._kv_keys(keys), timeout_s=self._exists_timeout(len(keys))))
         except Exception:
             log.exception("gcache batch_exists failed")
             return 0
@@ -211,7 +219,7 @@ class GCacheStorage(HiCacheStorage):
             query = self._kv_keys(keys)  # side pools always move zero-copy (batch_get_v2)
             for t in transfers:
                 query += self.page_keys(keys, _name(t.name))
-            ex = self.client.exists(query)  # one round: every owner asked at once
+            ex = self.client.exists(query, timeout_s=self._exists_timeout(len(query)))  # one round, all owners
             n = len(keys)
             checks = [
                 PoolCheck(_name(t.name), ex[n * (j + 1):n * (j + 2)],

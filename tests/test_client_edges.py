@@ -330,3 +330,25 @@ def test_a_batch_of_many_requests_opens_a_few_connections_per_owner(make_cluster
         assert all(g is not None and bytes(g) == b"v" * 8 for g in got)
     per_owner = {n: opened.count(n) for n in set(opened)}
     assert per_owner and max(per_owner.values()) <= 2 * fanout.MAX_CONNECTS_PER_OWNER, per_owner
+
+
+def test_exists_takes_a_timeout_of_its_own(make_cluster):
+    """The SGLang adapter gives one very large existence round (a 128k-token prompt at page size
+    1: 262,144 keys) more than the client's timeout, where it was a whole miss (a prober)."""
+    import os
+
+    c = make_cluster(nodes=1)
+    with Client(c.addresses, timeout_s=0.2, on_node_error=OnNodeError.MISS) as cl:
+        assert cl.exists(["k"]) == [False]  # a pooled connection first
+        sigstop(c.daemons[0].pid)
+        try:
+            t0 = time.monotonic()
+            assert cl.exists(["k"], timeout_s=1.0) == [False]
+            assert 0.9 <= time.monotonic() - t0 < 3.0
+            t0 = time.monotonic()
+            assert cl.exists(["k"]) == [False]
+            assert time.monotonic() - t0 < 0.8
+        finally:
+            os.kill(c.daemons[0].pid, signal.SIGCONT)
+        with pytest.raises(ValueError, match="timeout_s"):
+            cl.exists(["k"], timeout_s=float("nan"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from gcache.client.buffers import as_view
-from gcache.client.config import ClientConfig, LocalPath, OnNodeError
+from gcache.client.config import ClientConfig, LocalPath, OnNodeError, timeout_error
 from gcache.client.each_node import each_node
 from gcache.client.fanout import Fanout
 from gcache.client.keys import KeyLike, check_deadline, check_keys, key_bytes, per_key
@@ -264,16 +264,18 @@ class Client:
         return [buf if st is OK else None for st, buf in zip(res.status, bufs)]
 
     def exists(self, keys: Sequence[KeyLike], *, namespace: str | None = None,
-               tail: Sequence[int] | None = None, deadline: float | None = None) -> list[bool]:
+               tail: Sequence[int] | None = None, deadline: float | None = None,
+               timeout_s: float | None = None) -> list[bool]:
         """Whether each key is stored (a hit refreshes its recency). ``tail`` re-marks existing
-        pooled pages as restore-point (1) or interior (0) pages. ``deadline``: as for put."""
+        pooled pages as restore-point (1) or interior (0) pages. ``deadline``: as for put.
+        ``timeout_s``: this call's timeout instead of the client's (a very large batch)."""
         check_keys(keys)
         check_deadline(deadline)
         if tail is not None and len(tail) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(tail)} tail values")
         per_key = {"tail": [int(t) for t in tail]} if tail is not None else None
         op = Operation(Op.EXISTS, self._ns(namespace), len(keys), per_key)
-        self._run(op, keys, deadline)
+        self._run(op, keys, deadline, timeout_s)
         return [s is OK for s in op.status]
 
     def delete(self, keys: Sequence[KeyLike], *, namespace: str | None = None) -> list[bool]:
@@ -348,7 +350,8 @@ class Client:
             metas = [m if st is OK else None for m, st in zip(metas, op.status)]
         return GetResult(op.status, op.sizes_out, metas), op.bufs
 
-    def _run(self, op: Operation, keys: Sequence[KeyLike], deadline: float | None = None) -> None:
+    def _run(self, op: Operation, keys: Sequence[KeyLike], deadline: float | None = None,
+             timeout_s: float | None = None) -> None:
         """Run a batch (gcache.client.fanout), by ``deadline`` when that is sooner than the
         client's timeout_s; with OnNodeError.RAISE the first failure of an owner is raised once
         the others have answered."""
@@ -358,7 +361,9 @@ class Client:
         self._pool.check_usable()  # raised whatever on_node_error says: never a miss
         if not keys:
             return
-        failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys], deadline)
+        if timeout_s is not None and (err := timeout_error("timeout_s", timeout_s)):
+            raise ValueError(err)
+        failures = self._fanout.run(op, [k if type(k) is bytes else key_bytes(k) for k in keys], deadline, timeout_s)
         if failures and self.config.on_node_error is OnNodeError.RAISE:
             raise failures[0]
         if failures and self.config.on_failure is not None:

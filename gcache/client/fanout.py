@@ -64,17 +64,18 @@ class Fanout:
         self.split_bytes, self.split_keys = split_bytes, split_keys
         self.view, self.refresh, self.may_refresh = view, refresh, may_refresh
 
-    def run(self, op: Operation, kbytes: list[bytes], deadline: float | None = None) -> list[GCacheError]:
-        """Run ``op`` over ``kbytes`` by ``timeout_s`` from now, or by ``deadline``
-        (time.monotonic()) when that is sooner; returns the owners' failures (their keys are
-        UNAVAILABLE).
+    def run(self, op: Operation, kbytes: list[bytes], deadline: float | None = None,
+            timeout_s: float | None = None) -> list[GCacheError]:
+        """Run ``op`` over ``kbytes`` by ``timeout_s`` (default: the client's) from now, or by
+        ``deadline`` (time.monotonic()) when that is sooner; returns the owners' failures (their
+        keys are UNAVAILABLE).
         Keys a node refuses as NOT_OWNER (our membership was stale) are retried once on the
         refreshed membership; for ``op.fallback``, misses during a handover are looked up on the
         key's previous owner."""
         failures: list[GCacheError] = []
         final: set[int] = set()  # misses the owner says are final: no fallback (gcache.server.touchlog)
         view = self.view()
-        own = time.monotonic() + self.timeout_s
+        own = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         deadline = own if deadline is None else min(deadline, own)
         which: Sequence[int] = range(len(kbytes))
         if kbytes and max(map(len, kbytes)) > MAX_KEY_BYTES:  # refused here, not sent: one could

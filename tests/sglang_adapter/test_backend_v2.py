@@ -185,3 +185,13 @@ def test_a_childs_backup_leaves_its_prefixs_window_a_restore_point(make_cluster)
     keys = w.storage.page_keys(first[-WINDOW_PAGES:], "swa")
     got = w.storage.client.get_into(keys, [bytearray(1 << 16) for _ in keys], with_meta=True)
     assert [m.tail for m in got.meta] == [1] * WINDOW_PAGES  # before: the child re-marked one interior
+
+
+def test_a_very_large_existence_round_gets_more_time():
+    from types import SimpleNamespace
+
+    from sglang_adapter.backend import EXISTS_KEYS_PER_TIMEOUT, GCacheStorage
+
+    fake = SimpleNamespace(config=SimpleNamespace(timeout_s=1.0))
+    assert GCacheStorage._exists_timeout(fake, 1000) == 1.0
+    assert GCacheStorage._exists_timeout(fake, 4 * EXISTS_KEYS_PER_TIMEOUT) == 4.0

@@ -198,3 +198,4 @@ def test_a_model_name_too_long_for_a_key_is_shortened_with_a_digest():
     assert len(longest) <= MAX_KEY_BYTES  # and still fits a key, every shard field included
     # a real name never meets a shortened one: its "~" is encoded
     assert "~" not in model_name("a~" + "0" * 32) and "~" in model_name(a)
+
