@@ -34,7 +34,10 @@ before its next turn arrives). Mooncake's synthetic trace (hot prefixes reused m
 too slowly for a trace that wants 0.2; faster adaptation costs the conversation trace more than
 it gains), ``reuse`` is within 0.6 of it everywhere (3 nodes' LRUs are up to 0.7 below one
 global LRU there) and gains up to 1.1. So ``reuse`` is the default: the policy with the smallest
-worst case on both, not the best on one.
+worst case on both, not the best on one. Seven more synthetic traces (bench/RESULTS.md,
+2026-12-03) showed a fixed weight 8.8 points under LRU on contexts read exactly twice; with the
+adaptive weight its worst over nine traces is 5.6 (a chain longer than a node evicting its own
+head), and its gain on the conversation trace is +0.75 at 5%, 0 at 10%.
 Chain position is not used: ordering by it (deepest first among the oldest) measured no gain.
 
 Pooled entries (``--pool-budget``, gcache.tier.pools) keep their own prefix-aware order; a
