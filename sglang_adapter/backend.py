@@ -313,12 +313,16 @@ class GCacheStorage(HiCacheStorage):
         try:
             if target_locations is None or any(t is None for t in target_locations):
                 return [None] * len(keys)
+            t0 = time.perf_counter()
             gkeys = self._checked([self._tensor_key(k, t) for k, t in zip(keys, target_locations)])
             res = self.client.get_into(gkeys, list(target_locations))
             # a value of another size under the key (another writer) is a miss, never a
             # partly filled tensor
-            return [t if st is Status.OK and n == _nbytes(t) else None
-                    for t, st, n in zip(target_locations, res.status, res.sizes)]
+            out = [t if st is Status.OK and n == _nbytes(t) else None
+                   for t, st, n in zip(target_locations, res.status, res.sizes)]
+            got = [t for t in out if t is not None]
+            self._record("prefetch", KV, None, len(got), time.perf_counter() - t0, sum(map(_nbytes, got)))
+            return out
         except Exception:
             log.exception("gcache batch_get failed")
             return [None] * len(keys)
@@ -329,9 +333,12 @@ class GCacheStorage(HiCacheStorage):
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         try:
+            t0 = time.perf_counter()
             vals = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
             st = self.client.put(self._checked([self._tensor_key(k, v) for k, v in zip(keys, vals)]), vals,
                                  pool=self._tag(KV))
+            stored = [v for v, s in zip(vals, st) if s is Status.OK]
+            self._record("backup", KV, None, len(stored), time.perf_counter() - t0, sum(map(_nbytes, stored)))
             return all(s is Status.OK for s in st)
         except Exception:
             log.exception("gcache batch_set failed")
@@ -385,18 +392,25 @@ class GCacheStorage(HiCacheStorage):
         return True
 
     # -- metrics ----------------------------------------------------------------------------------
-    def _record(self, kind: str, name: str, pool: Any, pages: int, seconds: float) -> None:
+    def _record(self, kind: str, name: str, pool: Any, pages: int, seconds: float,
+                nbytes: int | None = None) -> None:
+        """Storage metrics of one call: ``pages`` moved in ``seconds``, of ``pool``'s page size
+        (or ``nbytes`` in all: the legacy path's whole tensors)."""
         if not pages:
             return
-        gb = self._page_gb.get(name)
-        if gb is None:
-            try:
-                gb = self._page_gb[name] = page_bytes(pool) / (1 << 30)
-            except Exception:  # noqa: BLE001  (metrics only: never fail an I/O call over them)
-                gb = self._page_gb[name] = 0.0
+        if nbytes is not None:
+            moved_gb = nbytes / (1 << 30)
+        else:
+            gb = self._page_gb.get(name)
+            if gb is None:
+                try:
+                    gb = self._page_gb[name] = page_bytes(pool) / (1 << 30)
+                except Exception:  # noqa: BLE001  (metrics only: never fail an I/O call over them)
+                    gb = self._page_gb[name] = 0.0
+            moved_gb = pages * gb
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
-            self._metrics[f"{kind}_bandwidth"].append(pages * gb / max(seconds, 1e-9))
+            self._metrics[f"{kind}_bandwidth"].append(moved_gb / max(seconds, 1e-9))
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics since the last call (pages and GB/s per prefetch / backup)."""

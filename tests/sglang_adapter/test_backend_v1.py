@@ -211,6 +211,8 @@ def test_legacy_tensor_path_keys_carry_dtype_and_shape(adapter_cluster):
     assert s.batch_get(["leg-0"], [same])[0] is same and torch.equal(same, val)
     half = torch.zeros(8, 8, dtype=torch.bfloat16)  # same byte size, other dtype and shape
     assert s.batch_get(["leg-0"], [half]) == [None] and not half.any()
+    m = s.get_stats()  # the legacy path records its pages too (it recorded none: a prober)
+    assert m.backup_pgs == [1] and m.prefetch_pgs == [1] and m.backup_bandwidth[0] > 0
     s.close()
 
 
