@@ -46,13 +46,24 @@ class DaemonProc:
         return f"{self.kind} {self.node_id}"
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The kernel's state letter of process ``pid`` (R, S, T, ...; "" when it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> bool:
+    """Until the kernel reports ``pid`` stopped (SIGSTOP takes effect asynchronously); False if
+    it is not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while process_state(pid) not in ("T", "t"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def free_port() -> int:
@@ -206,9 +217,7 @@ class LocalCluster:
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 d.proc.wait(timeout=30)
             elif sig == signal.SIGSTOP:
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and _state(d.proc.pid) not in ("T", "t"):
-                    time.sleep(0.001)
+                wait_stopped(d.proc.pid)
 
     def restart(self, index: int, master: bool = False) -> None:
         """Start a stopped daemon (or master) again on the same port and disk directory."""

@@ -32,13 +32,10 @@ def sigstop(pid, timeout=5.0):
     a process can still run for a moment after kill() returns)."""
     import signal
 
+    from gcache.cluster import wait_stopped
+
     os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-    assert poll(stopped, timeout, every=0.001), f"process {pid} did not stop within {timeout}s"
+    assert wait_stopped(pid, timeout), f"process {pid} did not stop within {timeout}s"
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from gcache.transport import (
     Transport,
     ucx,
 )
-from tests.conftest import poll
+from tests.conftest import poll, sigstop
 
 MiB = 1 << 20
 TLS = {"tcp": "tcp", "sm": "posix,cma,self"}
@@ -63,17 +63,6 @@ def sizes(n, rng):
     s = np.exp(rng.uniform(0, np.log(4 * MiB), n)).astype(np.int64)
     s[0], s[1] = 1, 4 * MiB
     return s
-
-
-def wait_stopped(pid, timeout_s=5.0):
-    """Until the kernel reports the process stopped (SIGSTOP takes effect asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)
 
 
 def test_available_here():
@@ -159,9 +148,8 @@ def test_stopped_daemon_times_out_then_recovers(ucx_cluster):
         assert client.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
         owners = client.owners(keys)
         pid = ucx_cluster.daemons[2].pid
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
-            wait_stopped(pid)
             t0 = time.monotonic()
             got = client.get(keys)
             assert time.monotonic() - t0 < 1.0

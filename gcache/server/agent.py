@@ -294,11 +294,8 @@ class Agent:
         registering again would bring back an empty member the operator took out (seen: the
         heartbeat's "unknown node" arrived before the handover loop marked the node left, and the
         node came back as incarnation 1 of a new member, took a third of the ring, and fenced
-        every request). A restarted daemon is a new start: it registers."""
-        m = self.membership
-        me = next((n for n in m.nodes if n.node_id == self.node_id), None) if m is not None else None
-        if me is not None and me.state.value == "draining":
-            self._was_draining = True
+        every request). A restarted daemon is a new start: it registers. (``_was_draining`` is
+        set by _apply_membership, the one place a membership is taken.)"""
         if not self._was_draining:
             return False
         if not self.left:

@@ -267,7 +267,7 @@ def test_a_stopping_router_lets_requests_already_taken_finish():
                 second = asyncio.ensure_future(ask("two"))  # queued: the worker takes one at a time
                 await poll(lambda: sum(c._busy for c in app.server.conns) == 2, what="both requests taken")
                 stopping = asyncio.ensure_future(app.stop(drain_s=10))
-                await asyncio.sleep(0.2)
+                await poll(lambda: not app.server.server.is_serving(), what="the listener closed")
                 with pytest.raises(aiohttp.ClientConnectorError):  # no new connection meanwhile
                     async with aiohttp.ClientSession() as fresh:
                         await fresh.get(url + "/health")
