@@ -9,7 +9,7 @@ one more run (mode 3); a batch of flushes only is one run of mode 0.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from router.resp import Arg
 from router.state_base import WorkerState
@@ -18,6 +18,8 @@ from router.state_memory import MemoryState
 Batch = list[tuple[int, Sequence[Arg], asyncio.Future]]
 
 FLUSH, SNAPSHOT, SNAPSHOT_TICKET, STRICT_ACQUIRE = 0, 1, 2, 3  # RedisState._call's modes; SYNC's: 0, 1, 3
+MISSED_MAX = 10_000  # prefix records of requests admitted while Redis was unreachable, kept for the resync
+REPLAY_ARGS = 50_000  # op arguments per SYNC call that replays them
 
 
 class Common:
@@ -95,4 +97,19 @@ def merge(common: Common, matches: list, hashes: Sequence[int], local: MemorySta
         else:
             age_s = age_s if age_s >= 0 else float("inf")
         out.append(WorkerState(spec, not down, m, reqs + own_r, work + own_w, age_s, is_open))
+    return out
+
+
+def replay_ops(missed: Iterable[tuple[str, Sequence[Arg]]], per_call: int = REPLAY_ARGS) -> list[list[Arg]]:
+    """Prefix records made while Redis was unreachable as ``R`` ops, cut into the op lists of
+    SYNC calls of about ``per_call`` arguments each (all sent in one pipeline by the resync)."""
+    out: list[list[Arg]] = []
+    ops: list[Arg] = []
+    for w, hashes in missed:
+        ops += ["R", w, len(hashes), *hashes]
+        if len(ops) >= per_call:
+            out.append(ops)
+            ops = []
+    if ops:
+        out.append(ops)
     return out

@@ -20,7 +20,10 @@ of every replica's count, so replicas never admit past the limit together. Each 
 own ``load`` hash; after an outage it overwrites that hash with its local truth, and a
 replica that dies stops counting once its heartbeat is older than ``lease_s``. If Redis is
 unreachable every call falls back to the local mirror (``MemoryState``), the log says so
-once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchronises. If Redis
+once, ``degraded`` turns true, and the heartbeat loop reconnects and resynchronises: one
+pipeline of the replica's local counts as of one instant, its workers, their health and the
+prefix records made offline; changes after that instant are buffered as deltas on it, so
+recovery takes a fixed number of round trips however busy the replica is. If Redis
 answers but no longer holds this replica's state (it restarted empty, its scripts are gone, or
 the replica was stopped past its lease and another one dropped its load), the scripts refuse
 (``NOSCRIPT``, ``LEASELOST``, a heartbeat of 0): the same fallback, and a resync at once.
@@ -46,6 +49,7 @@ from router.breaker import BreakerConfig
 from router.config import PrefixConfig, WorkerSpec
 from router.redis_batch import (
     FLUSH,
+    MISSED_MAX,
     SNAPSHOT,
     SNAPSHOT_TICKET,
     STRICT_ACQUIRE,
@@ -53,6 +57,7 @@ from router.redis_batch import (
     commands,
     deliver,
     merge,
+    replay_ops,
 )
 from router.redis_scripts import HEARTBEAT, RESYNC, SYNC
 from router.resp import Arg, RespClient
@@ -115,10 +120,10 @@ class RedisState(RouterState):
         self._up = False
         self._resync_lock = asyncio.Lock()
         self._resync_task: asyncio.Task | None = None  # one started at once after Redis lost our state
-        self._version = 0  # bumped on every local load change while degraded; guards resync races
+        self._resyncing = False  # a resync's pipeline is out: changes are buffered as deltas on what it pushed
         self._ops: list[object] = []  # changes not yet sent (SYNC op arguments)
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._missed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=10_000)
+        self._missed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MISSED_MAX)  # prefix records made offline
         self._others: dict[str, int] = {}  # other replicas' in-flight requests per worker, last seen
         self._fails: dict[str, int] = {}  # breaker failure counts, last seen
         self._bad_specs: set[str] = set()  # workers in redis whose spec this replica refuses (logged once)
@@ -144,14 +149,16 @@ class RedisState(RouterState):
         if self._up:
             log.warning("redis unreachable (%s: %s); serving from local state", type(e).__name__, e)
         self._up = False
-        self._ops.clear()  # the local truth is pushed on resync
+        if not self._resyncing:  # (a resync's deltas are its own to keep or drop)
+            self._ops.clear()  # the local truth is pushed on resync
 
     def _forgotten(self, why: str) -> None:
         """Redis answers but lost this replica's state (``why``): serve locally until resynced."""
         if self._up:
             log.warning("redis lost this replica's state (%s); serving from local state, resynchronising", why)
         self._up = False
-        self._ops.clear()
+        if not self._resyncing:
+            self._ops.clear()
 
     async def start(self) -> None:
         await self.try_resync()
@@ -194,46 +201,91 @@ class RedisState(RouterState):
             self._forgotten(_NOT_A_REPLICA)
         try:
             await self.r.connection_pool.disconnect()  # drop connections to the dead server
-            await self.fast.close()
-            if self._inflight:  # batches sent before: applied or refused before the local truth goes out
-                await asyncio.gather(*self._inflight)
-            await self.r.script_load(SYNC)
-            while True:
-                v = self._version
-                fields: list[Arg] = []
-                for w in self.local.workers:
-                    r, t = self.local.loads.get(w)
-                    fields += [f"r:{w}", r, f"t:{w}", t]
-                await self._resync(args=[self.ns, self.replica, *fields])
-                for spec in list(self.local.workers.values()):
-                    await self.r.hsetnx(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
-                health = self.local.health  # this replica's view: health changes seen offline were not written
-                down = [w for w in self.local.workers if not health.get(w, True)]
-                up = [w for w in self.local.workers if health.get(w, True)]
-                pipe = self.r.pipeline(transaction=True)
-                if down:
-                    pipe.sadd(f"{self.ns}:down", *down)
-                if up:
-                    pipe.srem(f"{self.ns}:down", *up)
-                await pipe.execute()
-                while self._missed:
-                    w, hashes = self._missed[0]
-                    await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
-                                           self.prefix.max_blocks_per_worker, FLUSH, 1, 1,
-                                           3 + len(hashes), "R", w, len(hashes), *hashes])
-                    self._missed.popleft()
-                if v == self._version:
-                    break
+            await self.fast.close()  # fails the batches still waiting on it at once
+            while self._inflight or self._batch:  # applied or refused before the local truth goes out
+                if self._inflight:
+                    await asyncio.wait(set(self._inflight))
+                else:
+                    await asyncio.sleep(0)  # a batch queued this turn: let it go out (and fail)
         except _REDIS_ERRORS as e:
             self._lost(e)
             return False
-        self._ops.clear()  # everything buffered before now is in the local truth just pushed
+        return await self._push_local_truth()
+
+    async def _push_local_truth(self) -> bool:
+        """One pipeline: this replica's absolute load (``RESYNC``), its workers, their health and
+        the prefix records of the requests admitted while degraded, as of one instant. What
+        changes after that instant (admissions, first bytes, releases) is buffered as deltas on
+        it and goes out with the first call once Redis has answered: so the resync takes a fixed
+        number of round trips however busy the replica is, and requests keep being served from
+        the local state meanwhile. A failure or a cancellation puts the records back."""
+        local = self.local
+        fields: list[Arg] = []
+        for w in local.workers:
+            r, t = local.loads.get(w)
+            fields += [f"r:{w}", r, f"t:{w}", t]
+        specs = list(local.workers.values())
+        health = dict(local.health)  # this replica's view: health changes seen offline were not written
+        missed, self._missed = self._missed, deque(maxlen=MISSED_MAX)
+        self._ops.clear()
+        self._resyncing = True  # from here, changes are buffered (deltas on the state pushed now)
+        done = False
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.script_load(SYNC)  # the request path's EVALSHA
+            await self._resync(args=[self.ns, self.replica, *fields], client=pipe)
+            for spec in specs:
+                pipe.hsetnx(f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict()))
+            down = [s.name for s in specs if not health.get(s.name, True)]
+            up = [s.name for s in specs if health.get(s.name, True)]
+            if down:
+                pipe.sadd(f"{self.ns}:down", *down)
+            if up:
+                pipe.srem(f"{self.ns}:down", *up)
+            for ops in replay_ops(missed):
+                await self._sync(args=[self.ns, self.replica, self.prefix.ttl_s, self.lease_s,
+                                       self.prefix.max_blocks_per_worker, FLUSH, 1, 1, len(ops), *ops], client=pipe)
+            await pipe.execute()
+            done = True
+        except _REDIS_ERRORS as e:
+            self._lost(e)
+            return False
+        except redis.exceptions.RedisError as e:  # refused (e.g. out of memory): still degraded, retried
+            log.error("redis refused the resync: %s: %s", type(e).__name__, e)
+            self._lost(e)
+            return False
+        finally:
+            self._resyncing = False
+            if not done:  # nothing of it counts: records back for the next try; loads are pushed whole again
+                self._keep_records(self._ops)
+                self._ops.clear()
+                self._missed = deque([*missed, *self._missed], maxlen=MISSED_MAX)
         self._up = True
+        for w, hashes in self._missed:  # kept by a batch that failed meanwhile: with the next call
+            self._ops.extend(("R", w, len(hashes), *hashes))
+        self._missed.clear()
+        await self._catch_up(specs, health)
         with contextlib.suppress(*_REDIS_ERRORS):
             await self._measure_clock()
         self.resyncs += 1
         log.warning("redis reachable at %s; state resynchronised (replica %s)", self.shown_url, self.replica)
         return True
+
+    async def _catch_up(self, specs: list[WorkerSpec], health: dict[str, bool]) -> None:
+        """After a resync: send what changed while its pipeline was out (buffered load changes,
+        workers added, health changes), without waiting for the next request."""
+        calls: list[tuple] = []
+        known = {s.name for s in specs}
+        for spec in self.local.workers.values():
+            if spec.name not in known:
+                calls.append(("hsetnx", f"{self.ns}:workers", spec.name, json.dumps(spec.to_dict())))
+        for w, ok in self.local.health.items():
+            if w in self.local.workers and ok != health.get(w, True):
+                calls.append(("srem" if ok else "sadd", f"{self.ns}:down", w))
+        if calls:
+            await self._admin(*calls)  # carries the buffered changes first
+        elif self._ops or self._heads_dirty:
+            self._send_now()
 
     def wall(self) -> float:
         """This host's clock corrected to Redis's (``_measure_clock``): the replicas' head keys
@@ -260,7 +312,8 @@ class RedisState(RouterState):
     # -- the buffered changes -------------------------------------------------------------
     def _buffer(self, *op: object) -> None:
         if not self._up:
-            self._version += 1
+            if self._resyncing:
+                self._ops.extend(op)
             return
         self._ops.extend(op)
         if self._flush_timer is None:
@@ -558,8 +611,10 @@ class RedisState(RouterState):
                 return lease
         lease = self.local.acquire_sync(worker, limit, work_ms, hashes)
         if lease is not None:
-            self._version += 1
-            self._missed.append((worker, tuple(hashes)))
+            if self._resyncing:  # a delta on the load the resync is pushing
+                self._ops.extend(("A", worker, work_ms, len(hashes), *hashes))
+            else:
+                self._missed.append((worker, tuple(hashes)))
         return lease
 
     async def prefill_done(self, lease: Lease) -> None:
