@@ -3,10 +3,12 @@
 Timeouts: connect (``upstream_connect_timeout_s``), first byte (response headers within
 ``upstream_first_byte_timeout_s``), idle (each later chunk, read from the worker and written
 to the client, within ``upstream_idle_timeout_s``). Failures are classified once, here:
-a request that never reached the worker (connection refused, reset or closed before any
-response byte, connect timeout) raises ``NeverReached`` so the caller can retry it on
-another worker (``router.upstream`` classifies); every other outcome is a ``Forwarded``
-saying whether it counts as a success for the worker's circuit breaker.
+a request that never reached the worker (connection refused, connect timeout, reset before
+any response byte) raises ``NeverReached`` so the caller can retry it on another worker
+(``router.upstream`` classifies); every other outcome is a ``Forwarded`` saying whether it
+counts as a success for the worker's circuit breaker. A worker that closed the connection
+after the request was sent, without a response byte, may have received it (and crashed on
+it): a 502 saying so, counted as that worker's failure, not sent to another worker.
 
 A short answer (``Content-Length`` up to ``WHOLE_BODY_MAX``, not an event stream) is read
 whole and written to the client in one write; anything else streams chunk by chunk.
@@ -23,7 +25,7 @@ from urllib.parse import urlsplit
 
 from router.http11 import HttpConnection
 from router.http_messages import Request, Response, head_bytes, json_error
-from router.upstream import Unreached, UpstreamConn, UpstreamError, UpstreamPool
+from router.upstream import NoResponse, Unreached, UpstreamConn, UpstreamError, UpstreamPool
 
 log = logging.getLogger("gcache.router.forward")
 
@@ -94,6 +96,9 @@ async def forward(pool: UpstreamPool, req: Request, conn: HttpConnection, target
     except TimeoutError:
         return Forwarded(json_error(504, f"the worker sent no response within {t.first_byte_s:g}s",
                                     "upstream_timeout"), False, 504)
+    except NoResponse:  # it may have received the request: not sent to another worker
+        return Forwarded(json_error(502, "the worker closed the connection without a response; the request may "
+                                         "have reached it, so it was not retried", "upstream_error"), False, 502)
     except UpstreamError as e:
         return Forwarded(json_error(502, f"the worker failed: {e}", "upstream_error"), False, 502)
     ok = up.status < 500

@@ -4,10 +4,14 @@ httptools parsing the response; a short answer that arrives in one read wakes th
 once. The health checker still uses aiohttp.
 
 Failures are typed so the caller can tell a request that never reached the worker
-(``Unreached``: refused, connect timeout, a fresh connection closed or reset before any
-response byte) from one that did (``UpstreamError``). A reused idle connection the worker
-closed is replaced by a fresh one without the caller noticing, once: if that one closes too, the
-request is Unreached (the caller's retries count it).
+(``Unreached``: refused, connect timeout, a connection reset before any response byte: the
+worker left the request unread) from one that may have (``UpstreamError``; ``NoResponse``
+when the worker closed the connection after the request was sent, before any response byte:
+it may have read the request and crashed on it, so it is not sent elsewhere). A pooled
+connection idle for ``stale_idle_s`` or more may meet the worker's keep-alive timeout as the
+request goes out; if it closes without a response byte the request is sent again on a fresh
+connection, once. A connection reused sooner, or the fresh one, closing without an answer is
+``NoResponse``: the request reaches a worker at most twice (once, unless idle that long).
 
 A connection carries exactly one response per request: bytes from the worker while no request is
 outstanding, or a second response after the first, close it (kept, they would be read as the
@@ -26,6 +30,7 @@ import httptools
 
 _HEAD_LIMIT = 1 << 16
 _HIGH_WATER = 1 << 20  # body bytes buffered from a worker before its connection stops being read
+STALE_IDLE_S = 1.0  # a pooled connection idle this long may have met the worker's keep-alive timeout
 
 
 class Unreached(Exception):
@@ -36,8 +41,17 @@ class UpstreamError(Exception):
     """The worker received the request and then failed: bad framing, a reset, an early close."""
 
 
+class NoResponse(UpstreamError):
+    """The worker closed the connection after the request was sent, before any response byte:
+    it may have received the request (and crashed on it); not safe to send elsewhere."""
+
+
 class _Closed(Exception):
-    """The connection closed before any response byte (the caller decides: retry or Unreached)."""
+    """The connection closed before any response byte (the caller decides: retry or not)."""
+
+    def __init__(self, why: str, reset: bool) -> None:
+        super().__init__(why)
+        self.reset = reset  # a reset: the worker left the request unread (it never got it)
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -50,6 +64,7 @@ class UpstreamConn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.idle_since = 0.0  # loop time it went back to the pool
         self.busy = False  # a request is outstanding (post() to release())
         self._waiter: asyncio.Future | None = None
         self._want_head = True
@@ -103,7 +118,7 @@ class UpstreamConn(asyncio.Protocol):
             self.complete = True  # a body delimited by the connection's end
             self.keep_alive = False
         elif not self.got_bytes:
-            self.error = _Closed(type(exc).__name__ if exc else "closed")
+            self.error = _Closed(type(exc).__name__ if exc else "closed", isinstance(exc, ConnectionResetError))
         elif self.error is None:
             where = "body" if self.head_done else "head"
             self.error = UpstreamError(f"connection broke inside the response {where}: "
@@ -234,9 +249,11 @@ class UpstreamConn(asyncio.Protocol):
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout_s: float, max_idle_per_worker: int = 256) -> None:
+    def __init__(self, connect_timeout_s: float, max_idle_per_worker: int = 256,
+                 stale_idle_s: float = STALE_IDLE_S) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle_per_worker
+        self.stale_idle_s = stale_idle_s
         self._idle: dict[tuple[str, int], list[UpstreamConn]] = {}
         self.loop = asyncio.get_running_loop()
         self.waiting: set[UpstreamConn] = set()  # connections with a wait that can time out
@@ -258,6 +275,7 @@ class UpstreamPool:
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) < self.max_idle:
             conn.reused = True
+            conn.idle_since = self.loop.time()
             idle.append(conn)
         else:
             conn.close()
@@ -296,8 +314,11 @@ class UpstreamPool:
         """Send a whole request (head and body); return the connection once the response head is
         in. Raises Unreached, UpstreamError or TimeoutError; the caller must ``release()``."""
         conn = self._idle_conn(key) or await self._connect(key)
+        retried = False
         while True:
-            assert conn.transport is not None
+            if conn.closed or conn.transport is None:  # before anything was sent on it
+                raise Unreached("connection closed before the request was sent")
+            stale = conn.reused and self.loop.time() - conn.idle_since >= self.stale_idle_s
             conn.busy = True
             conn.transport.write(data)
             try:
@@ -305,13 +326,15 @@ class UpstreamPool:
                 return conn
             except _Closed as e:
                 conn.close()
-                if conn.reused:
-                    # most likely the worker closed an idle connection: try once more, on a fresh
-                    # one (a worker that reads requests and closes would otherwise be sent the
-                    # same request once per idle connection)
+                if stale and not retried:
+                    # likely the worker's keep-alive timeout closing it as the request went out:
+                    # once more, on a fresh connection
+                    retried = True
                     conn = await self._connect(key)
                     continue
-                raise Unreached(f"connection closed before any response byte: {e}") from None
+                if e.reset:
+                    raise Unreached(f"connection reset before any response byte: {e}") from None
+                raise NoResponse(f"closed the connection without a response ({e})") from None
             except BaseException:
                 conn.close()
                 raise

@@ -3,6 +3,7 @@ it served (text chunks) and reports cached tokens like SGLang/vLLM do.
 
 Test controls, in the request body (ignored by the router, forwarded byte-exact):
   "fail": 500        answer with that status and a JSON error
+  "drop": true       read the request, then close the connection without answering (a crash)
   "hold": true       wait until POST /release before answering
   "pad": 100000      add that many bytes to the (non-streamed) answer
   "ticket": true      wait for one ``tickets.release()`` (the test lets requests finish one at a time)
@@ -38,6 +39,7 @@ class FakeWorker:
         self.cache: set[str] = set()
         self.healthy = True
         self.served = 0
+        self.dropped = 0  # requests read and answered by closing the connection ("drop")
         self.active = 0
         self.gate = asyncio.Event()
         self.tickets = asyncio.Semaphore(0)
@@ -79,6 +81,11 @@ class FakeWorker:
         self.seen_headers.append(dict(request.headers))
         body = json.loads(raw)
         digest = hashlib.sha256(raw).hexdigest()
+        if body.get("drop"):
+            self.dropped += 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()  # never sent: the connection is closed
         if body.get("fail") or self.fail_status:
             status = int(body.get("fail") or self.fail_status)
             return web.json_response({"error": {"message": "upstream exploded"}}, status=status)

@@ -177,6 +177,34 @@ def test_a_request_that_never_reached_a_worker_is_retried_on_the_next_best():
     asyncio.run(main())
 
 
+def test_a_worker_that_closes_without_answering_gets_the_request_once_and_the_client_the_truth():
+    """A request after which the worker closes the connection (a crash on that request) was sent
+    6 times across 3 workers (a probe) and answered "no worker could be reached ... tried 3"."""
+    async def main():
+        fakes = [FakeWorker(f"w{i}") for i in range(3)]
+        async with contextlib.AsyncExitStack() as st:
+            urls = [await st.enter_async_context(serve_app(f.app())) for f in fakes]
+            url, s, router = await st.enter_async_context(
+                router_for([WorkerSpec(u) for u in urls], health_interval_s=60))
+            for i in range(12):  # pooled keep-alive connections to every worker
+                async with s.post(url + "/v1/completions", json={"prompt": f"warm {i}"}) as r:
+                    assert r.status == 200
+            async with s.post(url + "/v1/completions", json={"prompt": "poison", "drop": True}) as r:
+                body = await r.json()
+                assert r.status == 502, body
+            msg = body["error"]["message"]
+            assert "closed the connection without a response" in msg and "could be reached" not in msg, msg
+            assert sum(f.dropped for f in fakes) == 1
+            assert await metric(s, url, "gcache_router_retries_total") == 0
+            crashed = next(u for u, f in zip(urls, fakes, strict=True) if f.dropped)
+            assert router.state.circuits[crashed].fails == 1  # a failure of that worker
+            await poll(lambda: _idle(router), what="leases released")
+            for i in range(6):
+                async with s.post(url + "/v1/completions", json={"prompt": f"after {i}"}) as r:
+                    assert r.status == 200
+    asyncio.run(main())
+
+
 def test_only_dead_workers_is_a_502_after_the_retries():
     async def main():
         async with dead_worker("refused") as d1, dead_worker("refused") as d2, router_for(

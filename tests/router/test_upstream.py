@@ -5,16 +5,24 @@ loopback that misbehaves on cue. Found by a probe:
   every later request on that connection got the previous request's answer (40 of 40), with no
   error anywhere;
 * a worker that read a request and closed the connection was sent the same request again on
-  every idle pooled connection to it (66 receipts of one request with 64 idle connections)."""
+  every idle pooled connection to it (66 receipts of one request with 64 idle connections);
+* then still twice (the reused connection, then a fresh one), and the second close was called
+  "never reached", so the proxy sent it to two more workers: 6 receipts across 3 workers.
+  A close after the request was written, before any answer, may follow its receipt: only a
+  pooled connection idle long enough to have met the worker's keep-alive timeout is retried,
+  once, on a fresh one; otherwise it is ``NoResponse``. A reset (the worker left the request
+  unread) is still ``Unreached``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 
 import pytest
 
-from router.upstream import Unreached, UpstreamError, UpstreamPool
+from router.upstream import NoResponse, Unreached, UpstreamPool
 from tests.conftest import poll
 
 
@@ -34,17 +42,26 @@ class RawWorker:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.append(writer)
+        served_here = 0
         try:
             while True:
+                if self.mode == "reset":  # leave the request unread and abort (RST)
+                    await reader.read(1)
+                    self.received += 1
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                               struct.pack("ii", 1, 0))
+                    writer.close()
+                    return
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length"))
                 await reader.readexactly(length)
                 self.received += 1
                 n = self.received
-                if self.mode == "close":
+                if self.mode == "close" or (self.mode == "close_reused" and served_here):
                     writer.close()
                     return
+                served_here += 1
                 if self.mode == "double":  # a second response in the same write
                     writer.write(self.response({"n": n}) + self.response({"n": f"STALE-{n}"}))
                 else:
@@ -70,11 +87,11 @@ async def ask(pool: UpstreamPool, key) -> tuple[dict, object]:
     return json.loads(body), conn
 
 
-async def with_worker(test) -> None:
+async def with_worker(test, **pool_kw) -> None:
     worker = RawWorker()
     server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
     key = server.sockets[0].getsockname()[:2]
-    pool = UpstreamPool(connect_timeout_s=2.0)
+    pool = UpstreamPool(connect_timeout_s=2.0, **pool_kw)
     try:
         await test(worker, pool, key)
     finally:
@@ -102,17 +119,50 @@ def test_an_extra_response_never_answers_the_next_request(mode):
     asyncio.run(with_worker(test))
 
 
-def test_a_worker_that_closes_after_reading_gets_the_request_at_most_twice():
+async def _idle_connections(pool, key, n):
+    conns = await asyncio.gather(*(pool.post(key, REQUEST, 5.0) for _ in range(n)))
+    for c in conns:
+        while await c.next_chunks(5.0):
+            pass
+        c.release()
+
+
+def test_a_worker_that_closes_after_reading_gets_the_request_once():
     async def test(worker, pool, key):
-        conns = await asyncio.gather(*(pool.post(key, REQUEST, 5.0) for _ in range(16)))
-        for c in conns:  # 16 idle connections in the pool
-            while await c.next_chunks(5.0):
-                pass
-            c.release()
+        await _idle_connections(pool, key, 16)  # just used: no keep-alive timeout is due
         worker.mode = "close"
         before = worker.received
-        with pytest.raises((Unreached, UpstreamError)):
+        with pytest.raises(NoResponse):
             await pool.post(key, REQUEST, 5.0)
-        assert worker.received - before <= 2  # a reused connection, then one fresh one
+        assert worker.received - before == 1
+
+    asyncio.run(with_worker(test))
+
+
+def test_a_pooled_connection_idle_long_enough_is_retried_once_on_a_fresh_one():
+    async def test(worker, pool, key):
+        await _idle_connections(pool, key, 4)
+        worker.mode = "close_reused"  # as if its keep-alive timeout fired as the request came
+        before = worker.received
+        answer, _ = await ask(pool, key)
+        assert answer == {"n": worker.received} and worker.received - before == 2
+        worker.mode = "close"  # the fresh connection closes too: not sent a third time
+        before = worker.received
+        with pytest.raises(NoResponse):
+            await pool.post(key, REQUEST, 5.0)
+        assert worker.received - before == 2
+
+    asyncio.run(with_worker(test, stale_idle_s=0.0))
+
+
+def test_a_fresh_connection_closed_without_an_answer_is_no_response_and_a_reset_is_unreached():
+    async def test(worker, pool, key):
+        worker.mode = "close"
+        with pytest.raises(NoResponse):
+            await pool.post(key, REQUEST, 5.0)
+        assert worker.received == 1
+        worker.mode = "reset"  # the worker left the request unread: it never got it
+        with pytest.raises(Unreached):
+            await pool.post(key, REQUEST, 5.0)
 
     asyncio.run(with_worker(test))
