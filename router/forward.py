@@ -36,7 +36,9 @@ RESPONSE_DROP = frozenset({b"content-length", b"transfer-encoding", b"connection
                            b"content-encoding", b"date", b"server"})
 WHOLE_BODY_MAX = 1 << 20  # non-streamed answers up to this size are read whole and sent in one write
 
-__all__ = ["Forwarded", "NeverReached", "Target", "Timeouts", "forward", "json_error"]
+CUT = "cut"  # the status a stream the worker cut mid-way is counted under (its head went out as 200)
+
+__all__ = ["CUT", "Forwarded", "NeverReached", "Target", "Timeouts", "forward", "json_error"]
 
 
 class NeverReached(Exception):
@@ -69,7 +71,7 @@ class Target:
 class Forwarded:
     response: Response | None  # None: the answer was already written to the client
     ok: bool  # for the circuit breaker: False on a 5xx, a timeout or a broken stream
-    status: int
+    status: int | str  # for gcache_router_requests_total: the worker's status, or CUT
 
 
 def request_bytes(req: Request, target: Target) -> bytes:
@@ -153,5 +155,5 @@ async def _stream(conn: HttpConnection, up: UpstreamConn, hdrs: list[bytes], t: 
         # was cut off (a clean end would pass a truncated answer for a whole one)
         log.warning("worker %s failed mid-stream: %s: %s", target.key, type(e).__name__, e)
         conn.abort()
-        ok = False
+        return Forwarded(None, False, CUT)
     return Forwarded(None, ok, up.status)

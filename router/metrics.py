@@ -13,7 +13,8 @@ from router.state_base import WorkerState
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("gcache_router_requests", "HTTP requests by route and status",
+        self.requests = Counter("gcache_router_requests", "HTTP requests by route and status (\"cut\": a "
+                                "stream the worker cut or stalled mid-way, after its 200 head went out)",
                                 ["route", "status"], registry=r)
         self.decisions = Counter("gcache_router_decisions", "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
@@ -46,7 +47,7 @@ class RouterMetrics:
         self._cached = 0
         self._children: dict[tuple, object] = {}  # labels() costs tens of microseconds: look each up once
         # The request path only bumps these plain counts; render() moves them into the registry.
-        self._requests: dict[tuple[str, int], int] = {}
+        self._requests: dict[tuple[str, int | str], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}
         self._synced: dict[tuple, int] = {}
         self._synced_prompt = 0
@@ -59,7 +60,7 @@ class RouterMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
-    def count_request(self, route: str, status: int) -> None:
+    def count_request(self, route: str, status: int | str) -> None:
         k = (route, status)
         self._requests[k] = self._requests.get(k, 0) + 1
 

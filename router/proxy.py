@@ -163,7 +163,7 @@ class Router:
         return resp
 
     # -- inference routes -----------------------------------------------------------------
-    async def _handle_llm(self, req: Request, conn: HttpConnection) -> tuple[Response | None, int]:
+    async def _handle_llm(self, req: Request, conn: HttpConnection) -> tuple[Response | None, int | str]:
         cfg = self.cfg
         if req.reject is not None:
             return error(*req.reject), req.reject[0]

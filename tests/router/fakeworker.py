@@ -10,6 +10,7 @@ Test controls, in the request body (ignored by the router, forwarded byte-exact)
   "decode_s": 0.1    take that long (after any hold and prefill) before answering: a workload's service time
   "chunks": 3        with "stream": true, send that many SSE events; between events
                      wait for POST /release when "gate" is true
+  "cut": 1           with "stream": true, close the connection after that many events (a crash mid-stream)
 Every answer includes the sha256 of the body the worker received.
 
 With ``prefill_s_per_token`` > 0 the worker also models prefill time: requests take turns
@@ -112,6 +113,10 @@ class FakeWorker:
                 if body.get("first_event_s"):  # headers at once, the first token later (SGLang's way)
                     await asyncio.sleep(float(body["first_event_s"]))
                 for i in range(int(body.get("chunks", 3))):
+                    if "cut" in body and i == int(body["cut"]):
+                        assert request.transport is not None
+                        request.transport.close()
+                        return resp
                     if body.get("gate") and i > 0:
                         await self.gate.wait()
                         self.gate.clear()
