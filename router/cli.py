@@ -46,6 +46,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="aged order: tokens of priority gained per second waited (default: %(default)s)")
     p.add_argument("--max-wait", type=float, default=QueueConfig().max_wait_s,
                    help="seconds a request may wait for a slot before a 503 (default: %(default)s)")
+    p.add_argument("--max-queue", type=_positive_int, default=QueueConfig().max_depth, metavar="N",
+                   help="requests that may wait for a slot per wait queue (one per length bucket and model); "
+                        "more are refused at once with 503 + Retry-After (default: %(default)s)")
     p.add_argument("--buckets", default="0-64K,64K-256K,256K-1M",
                    help="prompt-length ranges for worker groups (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=PrefixConfig().block_tokens,
@@ -104,6 +107,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "throughput")
 
 
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {v!r}")
+    return n
+
+
 def parse_worker(arg: str) -> WorkerSpec:
     url, *opts = arg.split(",")
     d: dict = {"url": url}
@@ -142,7 +155,8 @@ def config_from_args(a: argparse.Namespace) -> tuple[RouterConfig, list[WorkerSp
     cfg = RouterConfig(
         policy=a.policy,
         policy_cfg=PolicyConfig(inflight_penalty_ms=a.inflight_penalty_ms),
-        queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait),
+        queue=QueueConfig(order=QueueOrder(a.queue_order), aging_tokens_per_s=a.aging, max_wait_s=a.max_wait,
+                          max_depth=a.max_queue),
         prefix=PrefixConfig(block_tokens=a.block_tokens, page_tokens=a.page_size, tokenizer_path=a.tokenizer,
                             chat_template_path=a.chat_template),
         buckets=BucketConfig.parse(a.buckets),

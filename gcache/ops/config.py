@@ -101,7 +101,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "policy": Field(Kind.STR), "state": Field(Kind.STR, choices=("memory", "redis")),
         "redis": Field(Kind.STR), "namespace": Field(Kind.STR),
         "queue_order": Field(Kind.STR, choices=("fcfs", "uncached", "aged")), "aging": Field(Kind.SECONDS),
-        "max_wait": Field(Kind.SECONDS), "buckets": Field(Kind.STR), "block_tokens": Field(Kind.INT),
+        "max_wait": Field(Kind.SECONDS), "max_queue": Field(Kind.INT), "buckets": Field(Kind.STR), "block_tokens": Field(Kind.INT),
         "page_size": Field(Kind.INT), "tokenizer": Field(Kind.PATH), "chat_template": Field(Kind.PATH),
         "l3_nodes": Field(Kind.STR), "l3_shard": Field(Kind.STR), "l3_namespace": Field(Kind.STR),
         "l3_timeout": Field(Kind.SECONDS), "inflight_penalty_ms": Field(Kind.NUMBER),
