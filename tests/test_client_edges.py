@@ -352,3 +352,42 @@ def test_exists_takes_a_timeout_of_its_own(make_cluster):
             os.kill(c.daemons[0].pid, signal.SIGCONT)
         with pytest.raises(ValueError, match="timeout_s"):
             cl.exists(["k"], timeout_s=float("nan"))
+
+
+@pytest.mark.parametrize("local", [LocalPath.OFF, LocalPath.FORCE])
+def test_a_connect_to_a_stalled_daemon_ends_by_the_calls_deadline(make_cluster, local):
+    """A fresh connection to a daemon that accepts TCP but never answers (stopped, or half
+    partitioned) waited the whole connect timeout (0.5 s) whatever the call's timeout_s: a get
+    with timeout_s 0.05 took 0.51 s (a prober). The connect is bounded by the call's deadline."""
+    import os
+    import time
+
+    c = make_cluster(nodes=2)
+    keys = [f"k{i}" for i in range(40)]
+    with Client(c.addresses) as writer:
+        assert writer.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
+        victim = c.daemons[0]
+        mine = [k for k, o in zip(keys, writer.owners(keys)) if o in (victim.node_id, victim.address)]
+    assert mine
+    sigstop(victim.pid)
+    try:
+        with Client(c.addresses, local=local, timeout_s=0.1, connect_timeout_s=1.0,
+                    on_node_error=OnNodeError.MISS) as cl:  # fresh: nothing pooled
+            t0 = time.monotonic()
+            got = cl.get(mine[:4])
+            took = time.monotonic() - t0
+        assert got == [None] * len(got)
+        assert took < 0.6, f"a get with timeout_s 0.1 took {took:.2f} s (connect timeout 1.0 s)"
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+
+
+def test_a_put_of_many_keys_whose_metadata_exceeds_one_frame_is_stored(make_cluster):
+    """17,000 keys of 1,000 bytes with 1-byte values: the client sent one request whose metadata
+    was over the daemon's 16 MiB limit; the daemon closed the connection and the put failed whole
+    as "Connection reset by peer" (a prober). Now it goes out in requests the daemon takes."""
+    c = make_cluster(nodes=1)
+    keys = [f"{i:08d}".ljust(1000, "k") for i in range(17_000)]
+    with Client(c.addresses, local=LocalPath.OFF, timeout_s=60.0) as cl:  # TCP: split by bytes
+        assert cl.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
+        assert all(cl.exists(keys[::997]))

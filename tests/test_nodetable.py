@@ -112,6 +112,10 @@ def test_a_new_table_numbers_its_epochs_from_the_first_registrations_base():
     assert out["epoch"] == t.epoch == 5001 and t.ring_gen == 5001 and t.rings_after(5000)[0]["gen"] == 5001
     t.apply({"v": 1, "op": "register", "node": "b", "address": "10.0.0.2:1", "capacity": GiB, "base": 9000})
     assert t.epoch == 5002 and t.ring_gen == 5002
+    assert t.born == 5000  # the table's first epoch, kept through snapshots (agent._removed)
+    u = NodeTable()
+    u.restore(t.snapshot())
+    assert u.born == 5000
     for bad in (0, -1, "7", None):
         u = NodeTable()
         u.apply({"v": 1, "op": "register", "node": "a", "address": "10.0.0.1:1", "capacity": GiB, "base": bad})

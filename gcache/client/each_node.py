@@ -29,7 +29,7 @@ def each_node(pool: Pool, targets: dict[str, str], op: Op, meta: dict[str, Any],
     for node, address in targets.items():
         conn = None
         try:
-            conn = pool.get(node, address)
+            conn = pool.get(node, address, deadline)
             conn.send(op, meta, [], deadline, timeout_s)
             waiting[node] = conn
         except GCacheError as exc:

@@ -174,7 +174,7 @@ class Fanout:
         def connect_and_call(req: Request) -> GCacheError | None:
             conn = None
             try:
-                conn = self.pool.get(req.node, addr[req.node])
+                conn = self.pool.get(req.node, addr[req.node], deadline)
                 req_op, meta, payload = request(req.idxs, conn)
                 conn.send(req_op, meta, payload, deadline, self.timeout_s)
                 receive(req.idxs, conn, defer=False)  # in its own thread: finished there

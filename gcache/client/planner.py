@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gcache.client.replies import NOT_FOUND, NOT_OWNER
-from gcache.protocol import Status
+from gcache.protocol import MAX_BATCH_KEYS, MAX_KEY_BYTES, MAX_META_BYTES, Status
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,24 @@ def by_owner(which: Sequence[int], owners: Sequence[str]) -> dict[str, list[int]
     return out
 
 
+#: keys in one request whose values' sizes are known (a put): its metadata (keys of up to
+#: MAX_KEY_BYTES each, and their sizes) stays well under MAX_META_BYTES and the key count under
+#: MAX_BATCH_KEYS. A put of 65,537 tiny values, or of 17,000 keys of 1,000 bytes, went out as one
+#: request the daemon refused whole (a prober).
+SIZED_SPLIT_KEYS = 4096
+assert SIZED_SPLIT_KEYS * (MAX_KEY_BYTES + 64) < MAX_META_BYTES // 2 and SIZED_SPLIT_KEYS <= MAX_BATCH_KEYS
+
+
 def split(idxs: list[int], sizes: Sequence[int] | None, split_bytes: int, split_keys: int) -> list[list[int]]:
     """Cut one owner's keys into requests of at most ``split_bytes`` (when the value sizes are
-    known; a single larger value is a request of its own) or ``split_keys`` keys."""
+    known; a single larger value is a request of its own) and SIZED_SPLIT_KEYS keys, or of
+    ``split_keys`` keys."""
     if sizes is None:
         return [idxs[i:i + split_keys] for i in range(0, len(idxs), split_keys)]
     out: list[list[int]] = [[]]
     total = 0
     for i in idxs:
-        if out[-1] and total + sizes[i] > split_bytes:
+        if out[-1] and (total + sizes[i] > split_bytes or len(out[-1]) >= SIZED_SPLIT_KEYS):
             out.append([])
             total = 0
         out[-1].append(i)

@@ -8,7 +8,7 @@ import threading
 import time
 
 from gcache.client.config import LocalPath
-from gcache.errors import ClientClosed, ClientForked, ConnectionFailed, GCacheError, ProtocolError
+from gcache.errors import CallTimeout, ClientClosed, ClientForked, ConnectionFailed, GCacheError, ProtocolError
 from gcache.net.address import host_of, is_local_host
 from gcache.transport import Connection, Transport, open_connection
 
@@ -73,26 +73,37 @@ class Pool:
         failed = self._no_local.get(node)
         return self.local is LocalPath.FORCE or failed is None or time.monotonic() - failed > LOCAL_RETRY_S
 
-    def get(self, node: str, address: str) -> Connection:
-        """A connection to ``node``: an idle one, else a new one (ClientForked in a forked child)."""
+    def get(self, node: str, address: str, deadline: float | None = None) -> Connection:
+        """A connection to ``node``: an idle one, else a new one, dialled within the connect
+        timeout and by ``deadline`` (the call's: a connect never outlasts the call that needs
+        it; CallTimeout once it has passed). ClientForked in a forked child."""
         conn = self.idle(node, address)
         if conn is not None:
             return conn
         if self.is_local(node, address):
             try:
-                return self._local_connection(node, address)
+                return self._local_connection(node, address, deadline)
             except GCacheError:
                 if self.local is LocalPath.FORCE:
                     raise
                 self._no_local[node] = time.monotonic()
-        return open_connection(node, address, self.connect_timeout_s, self.token, self.transport)
+        return open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport)
 
-    def _local_connection(self, node: str, address: str) -> Connection:
+    def _connect_budget(self, node: str, deadline: float | None) -> float:
+        if deadline is None:
+            return self.connect_timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallTimeout(node, self.connect_timeout_s)
+        return min(self.connect_timeout_s, left)
+
+    def _local_connection(self, node: str, address: str, deadline: float | None = None) -> Connection:
         """A Unix-socket connection with the daemon's arena mapped read-only (enough for gets;
         writable_arena() maps it writable on a first put)."""
-        conn = open_connection(node, address, self.connect_timeout_s, self.token, self.transport, local=True)
+        conn = open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport,
+                               local=True)
         try:
-            conn.arena, conn.arena_id = self._mapped(conn, self._arenas, False)
+            conn.arena, conn.arena_id = self._mapped(conn, self._arenas, False, deadline)
         except GCacheError:
             conn.close()
             raise
@@ -113,7 +124,8 @@ class Pool:
             cached = cache.get(conn.node)
         if cached is not None and writable and cached[0] == conn.arena_id:
             return cached[2], cached[0]  # the writable mapping of this incarnation: no LMAP needed
-        meta, fd = conn.map_arena(deadline or time.monotonic() + self.connect_timeout_s, writable)
+        by = time.monotonic() + self.connect_timeout_s
+        meta, fd = conn.map_arena(by if deadline is None else min(by, deadline), writable)
         arena_id = str(meta.get("id"))
         if cached is not None and cached[0] == arena_id:
             os.close(fd)

@@ -205,14 +205,14 @@ class Core:
         node, inc = str(req["node"]), int(req["inc"])
         with self.lock:
             rec = self.table.nodes.get(node)
-            epoch = self.table.epoch
+            epoch, born = self.table.epoch, self.table.born
             t = self.table.transition
             pending = t is not None and node in t["pending"]
             state, rec_inc = (rec["state"], rec["inc"]) if rec is not None else (None, None)
         leader = self.raft.is_leader
         if rec is None or rec_inc != inc or state == "down":
             why = "unknown node" if rec is None else ("stale incarnation" if rec_inc != inc else "declared down")
-            return {"ok": False, "reason": why, "epoch": epoch, "leader": leader}
+            return {"ok": False, "reason": why, "epoch": epoch, "born": born, "leader": leader}
         if req.get("cut") is not True:  # a daemon that hears no leader serves nothing: not alive to us
             self.detector.heard(node, inc)
         return {"ok": True, "epoch": epoch, "state": state, "handover_pending": pending, "leader": leader}

@@ -44,6 +44,10 @@ def weight_for(capacity: int) -> float:
 class NodeTable:
     def __init__(self) -> None:
         self.epoch = 0
+        # the first epoch of this table (its first register's base; 0: unknown, a table from a
+        # version before it): a daemon registered at or after it that the table no longer knows
+        # was removed from this table, i.e. drained, and must not register again (agent)
+        self.born = 0
         self.nodes: dict[str, dict[str, Any]] = {}
         self.transition: dict[str, Any] | None = None
         self.ring_unit = RingParams().unit
@@ -72,7 +76,7 @@ class NodeTable:
             # a new table (the whole group started afresh: masters keep no state on disk)
             # numbers its epochs and rings from the proposer's clock, above those of any group
             # before it, whose daemons and clients drop a membership older than the one they hold
-            self.epoch = self.ring_gen = base
+            self.epoch = self.ring_gen = self.born = base
         before = self._owners()
         old = self.nodes.get(node)
         inc = (old["inc"] if old else 0) + 1
@@ -206,7 +210,7 @@ class NodeTable:
     def snapshot(self) -> bytes:
         return msgpack.packb({"v": COMMAND_VERSION, "epoch": self.epoch, "nodes": self.nodes,
                               "transition": self.transition, "ring_unit": self.ring_unit,
-                              "ring_gen": self.ring_gen})
+                              "ring_gen": self.ring_gen, "born": self.born})
 
     def restore(self, blob: bytes) -> None:
         data = msgpack.unpackb(blob)
@@ -215,5 +219,6 @@ class NodeTable:
         self.epoch, self.nodes, self.transition = data["epoch"], data["nodes"], data["transition"]
         self.ring_unit = float(data["ring_unit"])
         self.ring_gen = int(data.get("ring_gen", 0))
+        self.born = int(data.get("born", 0))
         self.ring_history.clear()
         self._record_ring({n: r["weight"] for n, r in self._owners().items()})  # older ones are not in it

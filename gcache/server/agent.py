@@ -99,6 +99,7 @@ class Agent:
         self.handovers = 0
         self.keys_handed_over = 0
         self.left = False  # drained: handed everything over and left the cluster
+        self._registered_at = 0  # the masters' epoch when this incarnation registered (_removed)
         self._was_draining = False  # some membership applied listed this node as draining (_drained_away)
         self.mode = Mode.REGISTERING
         self._transition: dict[str, Any] | None = None  # the newest membership's open handover
@@ -275,6 +276,7 @@ class Agent:
             if membership is None:
                 raise GCacheError(f"no master answers the membership of epoch {out['epoch']} yet")
         self.inc = int(out["inc"])
+        self._registered_at = int(out["epoch"])
         self._leader_epoch(int(membership["epoch"]))
         self._apply_membership(membership, build_now=True)  # fenced until registered anyway
         with self._lock:  # copies pushed before this incarnation are not welcome (Handler)
@@ -285,6 +287,19 @@ class Agent:
         self.mode = Mode.SERVING
         self._registered.set()
         log.info("registered as %s incarnation %d at epoch %d", self.node_id, self.inc, self.epoch)
+
+    def _removed(self, lead: dict[str, Any]) -> bool:
+        """Whether the masters' table that registered this incarnation no longer knows the node.
+        Only a drain removes a node (completed, or the node silent while draining), so it was
+        drained, though it may never have applied a membership saying so (stopped or cut off
+        right after ``gcache drain``: before, it registered again as a new member and undid the
+        operator's drain, a prober). A table born after this node registered (the master group
+        was restarted whole and lost its state) knows nobody yet: the node registers there."""
+        born = lead.get("born")
+        if lead.get("reason") != "unknown node" or not isinstance(born, int) or not 0 < born <= self._registered_at:
+            return False
+        self._was_draining = True
+        return self._drained_away()
 
     def _drained_away(self) -> bool:
         """Whether this node has been draining (by any membership it applied): then a master that
@@ -430,7 +445,7 @@ class Agent:
         verdict, lead = judge(replies)
         if verdict is Verdict.REJOIN:
             assert lead is not None
-            if self._drained_away():
+            if self._removed(lead) or self._drained_away():
                 return
             log.warning("the master leader says %s; registering again", lead.get("reason", "?"))
             self._register()
@@ -456,6 +471,11 @@ class Agent:
                             lead["epoch"])
                 return
             me = next((r for r in m["nodes"] if r["id"] == self.node_id), None)
+            if me is None and not self._was_draining:
+                # removed since the leader acknowledged it: the next round's "unknown node" says
+                # whether by this table (a drain it never heard of: _removed) or by a new one
+                log.warning("membership epoch %d no longer lists this node", m["epoch"])
+                return
             if me is None or me["inc"] != self.inc or me["state"] == "down":
                 if self._drained_away():
                     return

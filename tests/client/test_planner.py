@@ -22,8 +22,20 @@ def test_split_by_bytes_when_sizes_are_known():
     sizes = [3, 3, 3, 10, 1]
     # at most 6 bytes per request; a value larger than the limit still goes, alone
     assert split([0, 1, 2, 3, 4], sizes, 6, 64) == [[0, 1], [2], [3], [4]]
-    # sizes decide, not the key count
+    # sizes decide, not the key count...
     assert split([0, 1, 2], sizes, 100, 1) == [[0, 1, 2]]
+
+
+def test_a_put_of_many_tiny_values_is_cut_into_requests_the_daemon_takes():
+    """...up to SIZED_SPLIT_KEYS keys a request: 65,537 one-byte values went out as one request,
+    refused whole (more than MAX_BATCH_KEYS items; 17,000 keys of 1,000 bytes: metadata over 16 MiB,
+    the connection reset), a prober."""
+    from gcache.client.planner import SIZED_SPLIT_KEYS
+
+    n = 65_537
+    chunks = split(list(range(n)), [1] * n, 4 << 20, 64)
+    assert [len(c) for c in chunks] == [SIZED_SPLIT_KEYS] * (n // SIZED_SPLIT_KEYS) + [n % SIZED_SPLIT_KEYS]
+    assert [i for c in chunks for i in c] == list(range(n))
 
 
 def test_plan_one_request_per_owner_and_chunk():

@@ -30,7 +30,8 @@ class Masters:
         self.calls.append(name)
         if self.reason is None:  # the leader knows it: a newer epoch to fetch
             return [{"ok": True, "leader": True, "epoch": self.table.epoch}]
-        return [{"ok": False, "reason": self.reason, "epoch": self.table.epoch, "leader": True}]
+        return [{"ok": False, "reason": self.reason, "epoch": self.table.epoch, "born": self.table.born,
+                 "leader": True}]
 
     def call(self, name, request, timeout_s=None):
         self.calls.append(name)
@@ -110,3 +111,55 @@ def test_a_node_removed_while_draining_has_left():
     assert "Register" not in masters.calls
     assert agent.left and agent.fenced
     assert all(r["id"] != "n1" for r in t.membership()["nodes"])  # not back
+
+
+def born_table(base=5000):
+    """A table whose first registration carried ``base`` (as every master's does), n0..n2 settled."""
+    t = NodeTable()
+    for i in range(3):
+        t.apply({"v": 1, "op": "register", "node": f"n{i}", "address": f"n{i}:1", "capacity": GiB, "base": base})
+    for n in t.membership()["transition"]["pending"]:
+        t.apply({"v": 1, "op": "handover_done", "node": n, "epoch": t.epoch})
+    return t
+
+
+def live_agent(masters, membership, registered_at):
+    agent = Agent(masters, "n1", "n1:1", GiB, Store(StoreConfig(mem_bytes=16 << 20, pretouch=False)), None,  # type: ignore[arg-type]
+                  put=lambda *a: [])
+    agent.inc, agent._registered_at = 1, registered_at
+    agent._apply_membership(membership, build_now=True)
+    agent._registered.set()
+    agent._last_tick = agent._last_led = time.monotonic()
+    return agent
+
+
+def test_a_node_drained_and_removed_before_it_heard_of_the_drain_has_left():
+    """Drained, then stopped or cut off before it applied a membership listing it as draining,
+    and removed as a silent draining node: when it resumes the table that registered it answers
+    "unknown node". It registered again before, as a new member, undoing the operator's drain
+    (a network-partition prober). Only a drain removes a node from a table, so it has left."""
+    t = born_table()
+    live = t.membership()
+    registered_at = t.epoch
+    t.apply({"v": 1, "op": "drain", "node": "n1"})
+    t.apply({"v": 1, "op": "remove", "node": "n1"})
+    masters = Masters(t, "unknown node")
+    agent = live_agent(masters, live, registered_at)
+    agent._heartbeat()
+    assert "Register" not in masters.calls
+    assert agent.left and agent.fenced
+    assert all(r["id"] != "n1" for r in t.membership()["nodes"])
+
+
+def test_a_node_a_new_master_group_does_not_know_registers_there():
+    """The same answer from a table born after the node registered (the master group was
+    restarted whole: masters keep no state on disk), or from a master that does not say when its
+    table was born (a version before it), is not a drain: the node registers again."""
+    old = born_table(base=5000)
+    for born in (old.epoch + 1000, 0):
+        masters = Masters(NodeTable(), "unknown node")
+        masters.table.born = born
+        agent = live_agent(masters, old.membership(), old.epoch)
+        agent._heartbeat()
+        assert "Register" in masters.calls
+        assert not agent.left
