@@ -8,7 +8,14 @@ import threading
 import time
 
 from gcache.client.config import LocalPath
-from gcache.errors import CallTimeout, ClientClosed, ClientForked, ConnectionFailed, GCacheError, ProtocolError
+from gcache.errors import (
+    CallTimeout,
+    ClientClosed,
+    ClientForked,
+    ConnectionFailed,
+    GCacheError,
+    ProtocolError,
+)
 from gcache.net.address import host_of, is_local_host
 from gcache.transport import Connection, Transport, open_connection
 
