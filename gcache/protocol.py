@@ -108,7 +108,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 5
     INTERNAL = 6
     AUTH = 7  # missing or wrong cluster token
-    FENCED = 8  # the node lost its membership lease and is re-registering; treat as unavailable
+    FENCED = 8  # the node lost its membership lease (re-registering) or left (drained); treat as unavailable
     BUSY = 9  # the daemon is at its connection cap or metadata budget; retry later
 
 

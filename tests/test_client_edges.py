@@ -3,6 +3,7 @@ owns keys, membership refreshes bounded by the call's deadline, a bootstrap no m
 
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -391,3 +392,49 @@ def test_a_put_of_many_keys_whose_metadata_exceeds_one_frame_is_stored(make_clus
     with Client(c.addresses, local=LocalPath.OFF, timeout_s=60.0) as cl:  # TCP: split by bytes
         assert cl.put(keys, [b"v"] * len(keys)) == [Status.OK] * len(keys)
         assert all(cl.exists(keys[::997]))
+
+
+def test_calls_racing_close_end_with_client_closed_not_a_grpc_error(mastered):
+    """With nothing owning keys every call asks the masters for the membership; a close() from
+    another thread closed the gRPC channel under those refreshes, and 48 of 64 threads got a bare
+    ValueError "Cannot invoke RPC on closed channel!" (a prober). Each ends with a result or a
+    gcache error, and once closed, ClientClosed."""
+    from gcache.errors import ClientClosed, GCacheError
+
+    c = mastered
+    mc = MasterClient(c.master_url, c.token, timeout_s=2.0)
+    clients = [Client(c.master_url, token=c.token, timeout_s=2.0) for _ in range(3)]
+    c.kill(0, signal.SIGSTOP)
+    assert poll(lambda: all(r["state"] == "down" for r in mc.membership()["nodes"]), 10)
+    epoch = mc.membership()["epoch"]
+    mc.close()
+    for cl in clients:
+        assert poll(lambda: cl._view.epoch >= epoch, 5)
+        go, outcomes, calls = threading.Event(), [], []
+
+        def worker(i):
+            go.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    cl.get([f"k{i}"])
+                    calls.append(i)
+                except ClientClosed:
+                    outcomes.append("closed")
+                    return
+                except GCacheError:
+                    calls.append(i)
+                except Exception as exc:  # the bug: anything untyped
+                    outcomes.append(repr(exc))
+                    return
+            outcomes.append("never closed")
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        go.set()
+        assert poll(lambda: len(calls) >= 16, 10)  # calls under way, refreshing
+        cl.close()
+        for t in threads:
+            t.join(15)
+        assert outcomes == ["closed"] * 16, outcomes

@@ -27,7 +27,7 @@ from gcache.client.replies import OK, Dest, parts
 from gcache.client.routing import MembershipWatcher, RoutingView, rate_limited
 from gcache.client.staging import StagingPool, is_device_tensor
 from gcache.env import SCHEME
-from gcache.errors import ConfigError, GCacheError
+from gcache.errors import ClientClosed, ConfigError, GCacheError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.membership import Membership, NodeState
 from gcache.meta.rpc import CLIENT_CHANNEL_OPTIONS, load_token
@@ -171,10 +171,16 @@ class Client:
     def refresh_membership(self, deadline: float | None = None) -> bool:
         """Ask the masters for the membership now (by ``deadline``, time.monotonic(), when
         given); True if it changed."""
-        if self._watcher is None:
+        watcher = self._watcher  # once: close() may clear it meanwhile
+        if watcher is None:
             return False
         before = self._view.epoch
-        m = self._watcher.refresh(deadline)
+        try:
+            m = watcher.refresh(deadline)
+        except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": close() stopped the watcher
+            if self._watcher is None:
+                raise ClientClosed() from None
+            raise
         if m is not None:
             self.update_membership(m)
         return self._view.epoch != before

@@ -269,6 +269,9 @@ class Handler:
                 raise Refused(ErrorCode.AUTH, "authentication required: send HELLO with the cluster token first", True)
             if self.agent is not None and op in DATA_OPS:
                 if self.agent.fenced and not self.agent.wait_joined(JOIN_WAIT_S):
+                    if self.agent.left:
+                        raise Refused(ErrorCode.FENCED, f"node {self.node_id} has left the cluster (drained); "
+                                                        "route by a newer membership")
                     raise Refused(ErrorCode.FENCED, f"node {self.node_id} is fenced (lost its membership lease); "
                                                     "re-registering, treat it as unavailable")
                 self._owner_check = self._ownership_rule(meta)
