@@ -394,3 +394,51 @@ def test_a_get_whose_reply_is_never_read_gives_its_pins_back(make_cluster):
     assert poll(lambda: daemon_stats(addr)["requests_stalled"] == 2, 5)
     for s in socks:
         s.close()
+
+
+# -- reads of values only on disk, payloads that trickle, metadata that stalls --------------------
+def reply_head(sock):
+    """(flags, metadata) of the next reply, leaving its payload unread."""
+    head = b""
+    while len(head) < P.HEADER_SIZE:
+        chunk = sock.recv(P.HEADER_SIZE - len(head))
+        assert chunk, "closed before a reply"
+        head += chunk
+    _v, _op, flags, _req, meta_len, _payload_len = P.unpack_header(head)
+    raw = b""
+    while len(raw) < meta_len:
+        chunk = sock.recv(meta_len - len(raw))
+        assert chunk, "closed in a reply's metadata"
+        raw += chunk
+    return flags, P.decode_meta(raw)
+
+
+def test_disk_hits_read_outside_the_arena_draw_on_a_budget_released_with_the_reply(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", disk="256MiB",
+                     extra_args=["--progress-timeout", "1", "--disk-read-budget", "8MiB"])
+    addr = c.addresses[0]
+    keys = [b"d%d" % i for i in range(12)]
+    with Client([addr], timeout_s=10, local=LocalPath.OFF) as cl:
+        for k in keys:  # 48 MiB through a 16 MiB arena: the first ones end up on disk only
+            assert cl.put([k], [os.urandom(4 * MiB)]) == [Status.OK]
+    assert poll(lambda: daemon_stats(addr)["disk_keys"] >= 6, 10)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = addr.rsplit(":", 1)
+    s.connect((host, int(port)))
+    s.settimeout(5)
+    # the RAM hits stay pinned while the reply is sent, so the disk hits cannot be promoted
+    s.sendall(frame(P.Op.GET, {"ns": "default", "keys": keys}))
+    flags, meta = reply_head(s)  # then the payload is never read
+    assert not flags & P.FLAG_ERROR, meta
+    stats = daemon_stats(addr)
+    # before: each disk hit was read into a buffer of its own, all held until the reply was out
+    assert stats["disk_read_buffer_bytes"] <= 8 * MiB and stats["disk_reads_refused"] >= 1, stats
+    assert meta["st"].count(Status.OK) < len(keys)
+    # released when the reply fails (here: never read, reset after --progress-timeout)
+    assert poll(lambda: daemon_stats(addr)["disk_read_buffer_bytes"] == 0, 10), "the read buffers were never released"
+    s.close()
+    with Client([addr], timeout_s=10, local=LocalPath.OFF) as cl:
+        got = cl.get(keys[:2])
+        assert all(v is not None and len(v) == 4 * MiB for v in got)
+

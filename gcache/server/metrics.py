@@ -45,6 +45,8 @@ STORE_COUNTERS = {
                              "demotions dropped: the value was deleted or overwritten meanwhile", {}),
     "promotions_dropped": ("gcache_promotions_dropped",
                            "NVMe hits not promoted: deleted or overwritten while read", {}),
+    "disk_reads_refused": ("gcache_disk_reads_refused",
+                           "NVMe hits answered as misses: no room to promote them nor in --disk-read-budget", {}),
     "dropped": ("gcache_dropped", "values dropped whole (a node declared down, a ring change it missed)", {}),
     "disk_write_errors": ("gcache_disk_write_errors", "NVMe tier writes that failed (a full or failing disk)", {}),
     "disk_corrupt": ("gcache_disk_corrupt", "NVMe records dropped: they failed their checksum", {}),
@@ -60,6 +62,9 @@ STORE_GAUGES = {
     "disk_used": ("gcache_disk_used_bytes",
                   "NVMe tier bytes occupied (records of deleted values too, until their segment is reclaimed)"),
     "disk_keys": ("gcache_disk_keys", "values in the NVMe tier"),
+    "disk_read_buffer_bytes": ("gcache_disk_read_buffer_bytes",
+                               "bytes of NVMe hits held outside the arena until their reply is sent"),
+    "disk_read_budget": ("gcache_disk_read_budget_bytes", "--disk-read-budget"),
 }
 
 
