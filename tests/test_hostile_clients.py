@@ -442,3 +442,29 @@ def test_disk_hits_read_outside_the_arena_draw_on_a_budget_released_with_the_rep
         got = cl.get(keys[:2])
         assert all(v is not None and len(v) == 4 * MiB for v in got)
 
+
+def test_a_put_whose_payload_trickles_below_the_floor_rate_is_cut(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--frame-timeout", "1", "--max-value", "8MiB"])
+    addr = c.addresses[0]
+    s = connect(addr)
+    meta = msgpack.packb({"ns": "default", "keys": [b"drip"], "sizes": [8 * MiB]}, use_bin_type=True)
+    s.sendall(header(P.Op.PUT, len(meta), 8 * MiB) + meta + b"x")
+    assert poll(lambda: daemon_stats(addr)["ram_used"] >= 8 * MiB, 5), "the put reserved nothing"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8:  # a byte every 0.3 s: never silent for --progress-timeout (5 s)
+        if poll(lambda: closed_by_daemon(s), 0.3):
+            break
+        try:
+            s.send(b"x")
+        except OSError:
+            break
+    # before: the reservation was held for as long as the bytes kept trickling
+    assert closed_by_daemon(s), "a payload trickling at a few bytes a second was never cut"
+    stats = daemon_stats(addr)
+    assert stats["requests_too_slow"] == 1 and stats["requests_stalled"] == 0, stats
+    assert stats["ram_used"] < MiB, "the trickling put's reservation is still held"
+    assert put_ok(addr, b"good", 8 * MiB)
+    with open(c.daemons[0].log_path) as f:
+        assert "floor" in f.read()
+    s.close()
+

@@ -40,6 +40,8 @@ STORE_COUNTERS = {
     "corrupt": ("gcache_corrupt", "NVMe reads that failed their checksum", {}),
     "requests_stalled": ("gcache_requests_stalled",
                          "connections reset: a request's payload or reply moved no byte for --progress-timeout", {}),
+    "requests_too_slow": ("gcache_requests_too_slow",
+                          "connections reset: a request's payload fell below 1 MiB/s after --frame-timeout", {}),
     "demotion_skips": ("gcache_demotion_skips", "evicted values not written to the NVMe tier (not worth it)", {}),
     "demotions_superseded": ("gcache_demotions_superseded",
                              "demotions dropped: the value was deleted or overwritten meanwhile", {}),
