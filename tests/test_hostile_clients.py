@@ -468,3 +468,48 @@ def test_a_put_whose_payload_trickles_below_the_floor_rate_is_cut(make_cluster):
         assert "floor" in f.read()
     s.close()
 
+
+def test_big_metadata_that_stalls_is_timed_out_not_an_internal_error(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--frame-timeout", "1"])
+    addr = c.addresses[0]
+    for meta_len in (1 << 20, (1 << 20) + 1, 2 << 20, 16 * MiB):
+        s = connect(addr)
+        s.sendall(header(P.Op.GET, meta_len) + b"\x82\xa2ns")  # then silence
+        got = b""
+        s.settimeout(5)
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        # before: above 1 MiB the daemon answered INTERNAL "cannot close exported pointers exist"
+        assert got == b"", f"metadata of {meta_len} bytes that stalled was answered {got[:200]!r}"
+        s.close()
+    assert works(addr)
+    with open(c.daemons[0].log_path) as f:
+        log = f.read()
+    assert "internal error" not in log and "BufferError" not in log and "Traceback" not in log
+    assert "metadata" in log and "--frame-timeout" in log
+
+
+def test_connections_that_stall_in_big_metadata_cannot_take_the_metadata_budget(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB")  # --meta-budget 64 MiB, --frame-timeout 10 s
+    addr = c.addresses[0]
+    socks = []
+    for _ in range(8):  # each declares 16 MiB of metadata, sends a byte, then nothing
+        s = connect(addr)
+        s.sendall(header(P.Op.GET, 16 * MiB) + b"\x82")
+        socks.append(s)
+    # each holds the budget for what it sent, and one step more (before: all it declared)
+    assert poll(lambda: daemon_stats(addr).get("meta_budget_held", 64 * MiB) >= 8 * 64 * 1024, 5)
+    keys = [b"%01000d" % i for i in range(64)]  # 64 KiB of metadata: drawn on the budget
+    with Client([addr], timeout_s=3, local=LocalPath.OFF) as cl:
+        assert cl.put(keys, [b"v"] * 64) == [Status.OK] * 64
+        # before: every request with more than 16 KiB of metadata waited for the budget until the
+        # stalled ones timed out (10 s), and failed CallTimeout meanwhile
+        t0 = time.monotonic()
+        assert cl.get(keys) == [b"v"] * 64
+        assert time.monotonic() - t0 < 2
+    assert daemon_stats(addr)["meta_budget_held"] <= 8 * MiB
+    for s in socks:
+        s.close()

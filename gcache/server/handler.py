@@ -48,7 +48,7 @@ from gcache.net.wire import drain, recv_scatter, send_all
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
-from gcache.server.framing import FrameReader, Refused
+from gcache.server.framing import FrameReader, FrameTimeout, Refused
 from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Reservation, Store
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
@@ -214,7 +214,9 @@ class ServerContext:
 
     def counters(self) -> dict[str, int]:
         """The connection handlers' counters, for the daemon's stats and metrics."""
-        return {"requests_stalled": self.stalled, "requests_too_slow": self.too_slow}
+        assert self.budget is not None
+        return {"requests_stalled": self.stalled, "requests_too_slow": self.too_slow,
+                "meta_budget_held": self.budget.used}
 
 
 class Handler:
@@ -416,6 +418,10 @@ class Handler:
                             self._peer(), req_id, cfg.payload_floor_rate, cfg.frame_timeout_s, exc,
                             self.ctx.too_slow)
             self.stream.abort()
+            return False
+        if isinstance(exc, FrameTimeout):
+            limited.info("torn-meta", "closed the connection of %s: request %d's metadata did not arrive within "
+                         "--frame-timeout (%gs): %s", self._peer(), req_id, self.ctx.config.frame_timeout_s, exc)
             return False
         if (isinstance(exc, BlockingIOError) and self._sock is not None) or (
                 isinstance(exc, TimeoutError) and self._sock is None and self.authed):

@@ -67,6 +67,7 @@ STORE_GAUGES = {
     "disk_read_buffer_bytes": ("gcache_disk_read_buffer_bytes",
                                "bytes of NVMe hits held outside the arena until their reply is sent"),
     "disk_read_budget": ("gcache_disk_read_budget_bytes", "--disk-read-budget"),
+    "meta_budget_held": ("gcache_meta_budget_held_bytes", "bytes of the --meta-budget held by requests being read"),
 }
 
 
