@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NVMe tier byte budget (default %(default)s)")
     p.add_argument("--max-value", type=argtypes.size, default=f"{DEFAULT_MAX_VALUE_BYTES >> 20}MiB",
                    help="largest value accepted (default %(default)s)")
+    p.add_argument("--disk-read-budget", type=argtypes.size, default=None, metavar="SIZE",
+                   help="bytes of NVMe hits all requests may hold outside the arena at once (read into buffers "
+                        "of their own when the arena has no room to promote them, until their reply is sent); a "
+                        "hit beyond it is answered as a miss (default: a quarter of --mem, at least --max-value, "
+                        "at most --mem)")
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")
@@ -134,6 +139,7 @@ class Settings:
 
 # the fields of StoreConfig and AdmissionConfig that one flag sets (ConfigError.field -> dest)
 _FIELD_FLAGS = {"mem_bytes": "mem", "disk_bytes": "disk_size", "max_value_bytes": "max_value",
+                "read_buffer_bytes": "disk_read_budget",
                 "max_connections": "max_connections", "meta_budget": "meta_budget",
                 "handshake_timeout_s": "handshake_timeout", "frame_timeout_s": "frame_timeout",
                 "progress_timeout_s": "progress_timeout"}
@@ -166,12 +172,15 @@ def settings(args: argparse.Namespace) -> Settings:
     mem = flag("mem", lambda: parse_size(args.mem))
     disk_bytes = flag("disk_size", lambda: parse_size(args.disk_size)) if args.disk else 0
     max_value = flag("max_value", lambda: parse_size(args.max_value))
+    read_text = getattr(args, "disk_read_budget", None)  # (absent from an older config's namespace)
+    read_budget = flag("disk_read_budget", lambda: parse_size(read_text)) if read_text is not None else None
     meta_budget = flag("meta_budget", lambda: parse_size(args.meta_budget))
     pools = flag("pool_budget", lambda: tuple(PoolBudget.parse(spec, mem) for spec in args.pool_budget))
     eviction = flag("eviction", lambda: EvictionConfig.parse(args.eviction))
     try:
         store = StoreConfig(mem_bytes=mem, disk_dir=args.disk, disk_bytes=disk_bytes, max_value_bytes=max_value,
-                            pretouch=not args.no_pretouch, pool_budgets=pools, eviction=eviction)
+                            pretouch=not args.no_pretouch, pool_budgets=pools, eviction=eviction,
+                            read_buffer_bytes=read_budget)
         admission = AdmissionConfig(
             max_connections=args.max_connections,
             fd_headroom=64 + (store.disk_bytes // store.segment_bytes + 1 if store.disk_dir else 0),

@@ -394,3 +394,122 @@ def test_a_get_whose_reply_is_never_read_gives_its_pins_back(make_cluster):
     assert poll(lambda: daemon_stats(addr)["requests_stalled"] == 2, 5)
     for s in socks:
         s.close()
+
+
+# -- reads of values only on disk, payloads that trickle, metadata that stalls --------------------
+def reply_head(sock):
+    """(flags, metadata) of the next reply, leaving its payload unread."""
+    head = b""
+    while len(head) < P.HEADER_SIZE:
+        chunk = sock.recv(P.HEADER_SIZE - len(head))
+        assert chunk, "closed before a reply"
+        head += chunk
+    _v, _op, flags, _req, meta_len, _payload_len = P.unpack_header(head)
+    raw = b""
+    while len(raw) < meta_len:
+        chunk = sock.recv(meta_len - len(raw))
+        assert chunk, "closed in a reply's metadata"
+        raw += chunk
+    return flags, P.decode_meta(raw)
+
+
+def test_disk_hits_read_outside_the_arena_draw_on_a_budget_released_with_the_reply(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", disk="256MiB",
+                     extra_args=["--progress-timeout", "1", "--disk-read-budget", "8MiB"])
+    addr = c.addresses[0]
+    keys = [b"d%d" % i for i in range(12)]
+    with Client([addr], timeout_s=10, local=LocalPath.OFF) as cl:
+        for k in keys:  # 48 MiB through a 16 MiB arena: the first ones end up on disk only
+            assert cl.put([k], [os.urandom(4 * MiB)]) == [Status.OK]
+    assert poll(lambda: daemon_stats(addr)["disk_keys"] >= 6, 10)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = addr.rsplit(":", 1)
+    s.connect((host, int(port)))
+    s.settimeout(5)
+    # the RAM hits stay pinned while the reply is sent, so the disk hits cannot be promoted
+    s.sendall(frame(P.Op.GET, {"ns": "default", "keys": keys}))
+    flags, meta = reply_head(s)  # then the payload is never read
+    assert not flags & P.FLAG_ERROR, meta
+    stats = daemon_stats(addr)
+    # before: each disk hit was read into a buffer of its own, all held until the reply was out
+    assert stats["disk_read_buffer_bytes"] <= 8 * MiB and stats["disk_reads_refused"] >= 1, stats
+    assert meta["st"].count(Status.OK) < len(keys)
+    # released when the reply fails (here: never read, reset after --progress-timeout)
+    assert poll(lambda: daemon_stats(addr)["disk_read_buffer_bytes"] == 0, 10), "the read buffers were never released"
+    s.close()
+    with Client([addr], timeout_s=10, local=LocalPath.OFF) as cl:
+        got = cl.get(keys[:2])
+        assert all(v is not None and len(v) == 4 * MiB for v in got)
+
+
+def test_a_put_whose_payload_trickles_below_the_floor_rate_is_cut(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--frame-timeout", "1", "--max-value", "8MiB"])
+    addr = c.addresses[0]
+    s = connect(addr)
+    meta = msgpack.packb({"ns": "default", "keys": [b"drip"], "sizes": [8 * MiB]}, use_bin_type=True)
+    s.sendall(header(P.Op.PUT, len(meta), 8 * MiB) + meta + b"x")
+    assert poll(lambda: daemon_stats(addr)["ram_used"] >= 8 * MiB, 5), "the put reserved nothing"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8:  # a byte every 0.3 s: never silent for --progress-timeout (5 s)
+        if poll(lambda: closed_by_daemon(s), 0.3):
+            break
+        try:
+            s.send(b"x")
+        except OSError:
+            break
+    # before: the reservation was held for as long as the bytes kept trickling
+    assert closed_by_daemon(s), "a payload trickling at a few bytes a second was never cut"
+    stats = daemon_stats(addr)
+    assert stats["requests_too_slow"] == 1 and stats["requests_stalled"] == 0, stats
+    assert stats["ram_used"] < MiB, "the trickling put's reservation is still held"
+    assert put_ok(addr, b"good", 8 * MiB)
+    with open(c.daemons[0].log_path) as f:
+        assert "floor" in f.read()
+    s.close()
+
+
+def test_big_metadata_that_stalls_is_timed_out_not_an_internal_error(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB", extra_args=["--frame-timeout", "1"])
+    addr = c.addresses[0]
+    for meta_len in (1 << 20, (1 << 20) + 1, 2 << 20, 16 * MiB):
+        s = connect(addr)
+        s.sendall(header(P.Op.GET, meta_len) + b"\x82\xa2ns")  # then silence
+        got = b""
+        s.settimeout(5)
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        # before: above 1 MiB the daemon answered INTERNAL "cannot close exported pointers exist"
+        assert got == b"", f"metadata of {meta_len} bytes that stalled was answered {got[:200]!r}"
+        s.close()
+    assert works(addr)
+    with open(c.daemons[0].log_path) as f:
+        log = f.read()
+    assert "internal error" not in log and "BufferError" not in log and "Traceback" not in log
+    assert "metadata" in log and "--frame-timeout" in log
+
+
+def test_connections_that_stall_in_big_metadata_cannot_take_the_metadata_budget(make_cluster):
+    c = make_cluster(nodes=1, mem="16MiB")  # --meta-budget 64 MiB, --frame-timeout 10 s
+    addr = c.addresses[0]
+    socks = []
+    for _ in range(8):  # each declares 16 MiB of metadata, sends a byte, then nothing
+        s = connect(addr)
+        s.sendall(header(P.Op.GET, 16 * MiB) + b"\x82")
+        socks.append(s)
+    # each holds the budget for what it sent, and one step more (before: all it declared)
+    assert poll(lambda: daemon_stats(addr).get("meta_budget_held", 64 * MiB) >= 8 * 64 * 1024, 5)
+    keys = [b"%01000d" % i for i in range(64)]  # 64 KiB of metadata: drawn on the budget
+    with Client([addr], timeout_s=3, local=LocalPath.OFF) as cl:
+        assert cl.put(keys, [b"v"] * 64) == [Status.OK] * 64
+        # before: every request with more than 16 KiB of metadata waited for the budget until the
+        # stalled ones timed out (10 s), and failed CallTimeout meanwhile
+        t0 = time.monotonic()
+        assert cl.get(keys) == [b"v"] * 64
+        assert time.monotonic() - t0 < 2
+    assert daemon_stats(addr)["meta_budget_held"] <= 8 * MiB
+    for s in socks:
+        s.close()

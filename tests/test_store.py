@@ -242,7 +242,7 @@ def test_overwrite_survives_restart_as_the_new_value(tiered, tmp_path):
 def test_batched_lookups_agree_with_single_ones_across_tiers(tiered):
     """acquire_many / exists_many (one lock per request) answer what acquire / exists answer,
     for RAM hits, disk hits, misses and skipped (None) keys, and pin what they return."""
-    s = tiered(promote_on_hit=False)
+    s = tiered(promote_on_hit=False, read_buffer_bytes=1 << 20)  # every disk hit held at once
     values = {b"k%03d" % i: os.urandom(10 * KB) for i in range(30)}  # most end up on disk only
     for k, v in values.items():
         assert s.put(("ns", k), v) is Status.OK
@@ -308,3 +308,58 @@ def test_delete_namespace_drops_ram_pooled_queued_and_disk_keys_for_good(tiered,
     t = tiered()  # the same directory: recovery finds tombstones, not the old values
     assert [k for k in t.keys_hottest_first() if k[0] == "a"] == []
     assert read(t, ("b", b"k000")) == b"other namespace"
+
+
+def test_disk_hits_read_outside_the_arena_are_bounded_and_given_back(tiered):
+    """A disk hit that cannot be promoted is read into a private buffer, drawn on a daemon-wide
+    budget (read_buffer_bytes): beyond it the hit is a miss (counted), and release gives it back."""
+    s = tiered(promote_on_hit=False, read_buffer_bytes=48 * KB)
+    values = {b"k%02d" % i: os.urandom(16 * KB) for i in range(20)}  # 320 KiB through a 64 KiB arena
+    for k, v in values.items():
+        assert s.put(("ns", k), v) is Status.OK
+    assert s.flush()
+    on_disk = [("ns", k) for k in values if ("ns", k) not in s.ram.index]
+    assert len(on_disk) >= 10
+    hits = s.acquire_many(on_disk)
+    try:
+        got = [h for h in hits if h is not None]
+        # before: every one was read into its own buffer (RSS grew with the request, not --mem)
+        assert len(got) == 3 and hits[:3] == got, "private reads went past their budget"
+        assert all(bytes(h.view) == values[k[1]] for h, k in zip(hits, on_disk) if h is not None)
+        st = s.stats()
+        assert st["disk_reads_refused"] == len(on_disk) - 3
+        assert st["disk_read_buffer_bytes"] == 48 * KB and st["disk_read_budget"] == 48 * KB
+    finally:
+        s.release_many([h for h in hits if h is not None])
+    assert s.stats()["disk_read_buffer_bytes"] == 0
+    assert read(s, on_disk[-1]) == values[on_disk[-1][1]]  # the budget is back: a hit again
+    assert s.stats()["disk_read_buffer_bytes"] == 0
+
+
+def test_a_disk_hit_without_read_budget_waits_for_another_reader_to_release_it(tiered):
+    import threading
+
+    s = tiered(promote_on_hit=False, read_buffer_bytes=32 * KB, read_wait_s=10.0)
+    values = {b"k%02d" % i: os.urandom(16 * KB) for i in range(12)}
+    for k, v in values.items():
+        assert s.put(("ns", k), v) is Status.OK
+    assert s.flush()
+    on_disk = [("ns", k) for k in values if ("ns", k) not in s.ram.index]
+    first = s.acquire_many(on_disk[:2])  # the whole budget
+    assert all(h is not None for h in first)
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.acquire(on_disk[2])))
+    t.start()
+    assert poll(lambda: s._read_waiters == 1, 5), "the reader holding no budget did not wait for it"
+    s.release_many(first)  # its reply is out: the waiting reader goes on
+    t.join(5)
+    assert got and got[0] is not None and bytes(got[0].view) == values[on_disk[2][1]]
+    assert s.stats().get("disk_reads_refused", 0) == 0
+    s.release(got[0])
+    s.close()
+    s = tiered(promote_on_hit=False, read_buffer_bytes=32 * KB, read_wait_s=0.05)  # recovers the disk
+    held = s.acquire_many(on_disk[:2])
+    assert all(h is not None for h in held)
+    assert s.acquire(on_disk[2]) is None, "a reader waited past read_wait_s"  # then a miss
+    assert s.stats()["disk_reads_refused"] == 1
+    s.release_many(held)

@@ -54,6 +54,8 @@ class AdmissionConfig:
     frame_timeout_s: float = 10.0  # a frame's header and metadata must arrive within this once begun
     # a request's payload may go this long without a byte arriving, its reply without a byte leaving
     progress_timeout_s: float = 5.0
+    # and, after frame_timeout_s, must have arrived at this many bytes a second on average
+    payload_floor_rate: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
@@ -62,6 +64,8 @@ class AdmissionConfig:
             raise ConfigError("the descriptor headroom must be >= 0")
         if self.meta_budget < P.PRE_AUTH_META_BYTES:
             raise ConfigError(f"--meta-budget must be at least {P.PRE_AUTH_META_BYTES} bytes", "meta_budget")
+        if self.payload_floor_rate < 1:
+            raise ConfigError("the payload floor rate must be >= 1 byte a second")
         for name, flag in (("handshake_timeout_s", "--handshake-timeout"), ("frame_timeout_s", "--frame-timeout"),
                            ("progress_timeout_s", "--progress-timeout")):
             value = getattr(self, name)

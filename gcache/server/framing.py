@@ -1,9 +1,15 @@
 """Reading one request frame's header and metadata under the daemon's limits.
 
 Nothing is allocated for what a peer merely declares: metadata up to SMALL_META bytes lands in
-a per-connection buffer (1 KiB, grown once to SMALL_META when needed), larger metadata is allocated against the global MetaBudget (and above
-1 MiB in an anonymous mapping whose pages exist only once bytes arrive, and are returned when
-the request ends). Before HELLO only a HELLO of at most PRE_AUTH_META_BYTES is read. A frame
+a per-connection buffer (1 KiB, grown once to SMALL_META when needed), larger metadata is
+allocated against the global MetaBudget. Up to META_STEP bytes it is taken from the budget
+whole before it is received; above, it is received into an anonymous mapping whose pages exist
+only once bytes arrive (returned when the request ends), and drawn from the budget one
+META_STEP at a time as it arrives: a request holds at most what it has sent plus one step, so
+connections that declare big metadata and stall cannot take the budget from the others (it
+would take budget / META_STEP of them, 256 with the defaults, each holding a connection slot).
+Requests that between them have more metadata in flight than the budget may wait on each other
+until the frame timeout (then BUSY). Before HELLO only a HELLO of at most PRE_AUTH_META_BYTES is read. A frame
 that has begun must be complete within ``frame_timeout_s``; an idle, unauthenticated connection
 is closed after ``handshake_timeout_s``. Waiting for the next frame of an authenticated
 connection is unbounded (pooled clients keep idle connections).
@@ -15,6 +21,7 @@ import logging
 import mmap
 import socket
 import time
+import traceback
 from typing import Any
 
 from gcache import protocol as P
@@ -25,7 +32,8 @@ from gcache.server.admission import AdmissionConfig, MetaBudget
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 SMALL_META = 16 << 10  # per-connection metadata buffer at most; larger metadata draws on the budget
-MAPPED_META = 1 << 20  # metadata above this is received into an anonymous mapping
+META_STEP = 256 << 10  # metadata above this is received into an anonymous mapping, and budgeted step by step
+MAPPED_META = META_STEP
 MAX_META_ITEMS = 8 * P.MAX_BATCH_KEYS  # array items and map fields in one request, in all
 
 
@@ -109,23 +117,50 @@ class FrameReader:
                 return P.decode_request_meta(view)
             except ValueError as exc:
                 raise Refused(ErrorCode.BAD_META, str(exc)) from None
-        if not self.budget.acquire(meta_len, self.config.frame_timeout_s):
-            raise Refused(ErrorCode.BUSY, f"no room for {meta_len} bytes of metadata now (the daemon's metadata "
-                                          f"budget is {self.budget.limit} bytes); retry", fatal=True)
-        self._held = meta_len
+        if meta_len > self.budget.limit:
+            raise self._busy(meta_len)
         deadline = time.monotonic() + self.config.frame_timeout_s
-        buf: bytearray | mmap.mmap = bytearray(meta_len) if meta_len <= MAPPED_META else mmap.mmap(-1, meta_len)
+        if meta_len <= MAPPED_META:
+            if not self.budget.acquire(meta_len, self.config.frame_timeout_s):
+                raise self._busy(meta_len)
+            self._held = meta_len
+            view = memoryview(bytearray(meta_len))
+            self._fill(view, deadline)
+            return self._decode(view)
+        buf = mmap.mmap(-1, meta_len)
         view = memoryview(buf)
         try:
-            self._fill(view, deadline)
-            try:
-                return P.decode_request_meta(view, MAX_META_ITEMS)
-            except ValueError as exc:
-                raise Refused(ErrorCode.BAD_META, str(exc)) from None
+            got = 0
+            while got < meta_len:  # draw on the budget as the metadata arrives, a step at a time
+                step = min(META_STEP, meta_len - got)
+                if not self.budget.acquire(step, deadline - time.monotonic()):
+                    raise self._busy(meta_len)
+                self._held += step
+                self._fill(view[got:got + step], deadline)
+                got += step
+            return self._decode(view)
+        except BaseException as exc:
+            # the frames of a failed receive hold slices of the mapping; cleared, it can be
+            # closed (else close() raised BufferError over the real error: a frame timeout)
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             view.release()
-            if isinstance(buf, mmap.mmap):
+            try:
                 buf.close()
+            except BufferError:  # a slice still alive elsewhere: the mapping goes with it
+                pass
+
+    def _busy(self, meta_len: int) -> Refused:
+        return Refused(ErrorCode.BUSY, f"no room for {meta_len} bytes of metadata now (the daemon's metadata "
+                                       f"budget is {self.budget.limit} bytes); retry", fatal=True)
+
+    @staticmethod
+    def _decode(view: memoryview) -> dict[str, Any]:
+        try:
+            return P.decode_request_meta(view, MAX_META_ITEMS)
+        except ValueError as exc:
+            raise Refused(ErrorCode.BAD_META, str(exc)) from None
 
     def _fill(self, view: memoryview, deadline: float | None = None) -> None:
         n = 0

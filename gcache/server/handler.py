@@ -17,6 +17,15 @@ so the send after the last byte moved fails one to two timeouts later. Either bo
 blocked call, not the transfer: a slow but live peer moves a value of any size.
 ``requests_stalled`` in the daemon's stats counts such connections. Other streams (UCX's) take
 the same bound as a timeout on each of their calls while a request is served.
+
+That alone lets a payload trickle in (a byte a second) and hold its reservation for ever, so a
+payload must also keep an average pace: once the daemon has spent ``frame_timeout_s`` waiting in
+receives of it, the bytes received must be at least ``payload_floor_rate`` (1 MiB/s) times the
+waiting past that; a value of S bytes thus takes at most frame_timeout + S / 1 MiB/s of waiting
+for its sender (the daemon's own pauses, waiting for room or for the disk, do not count). A
+receive that finds the payload behind (checked before each receive, so within one progress
+timeout) resets the connection and releases what it held, as a stall does
+(``requests_too_slow``).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from gcache.net.wire import drain, recv_scatter, send_all
 from gcache.protocol import ErrorCode, Op, Status
 from gcache.ratelog import RateLimitedLog
 from gcache.server.admission import AdmissionConfig, ConnState, MetaBudget
-from gcache.server.framing import FrameReader, Refused
+from gcache.server.framing import FrameReader, FrameTimeout, Refused
 from gcache.tier.pools import parse_pool_meta
 from gcache.tier.store import Hit, Reservation, Store
 from gcache.tier.valuemeta import ValueMeta, parse_value_meta
@@ -69,6 +78,51 @@ def timeval(seconds: float) -> bytes:
 
 def _refuse(_key: tuple[str, bytes]) -> bool:
     return False
+
+
+class PayloadTooSlow(OSError):
+    """A request's payload fell behind the floor rate (AdmissionConfig.payload_floor_rate)."""
+
+
+class PacedStream:
+    """The stream a request's payload is read from: each receive first checks that the bytes
+    received so far keep the floor rate over the time spent waiting in its receives, once that
+    passed the grace (PayloadTooSlow otherwise). Everything else is the wrapped stream's own."""
+
+    def __init__(self, stream: Any, grace_s: float, rate: int, total: int) -> None:
+        self._s = stream
+        self._grace, self._rate, self._total = grace_s, rate, total
+        self.got = 0
+        self.waited = 0.0  # seconds spent in receives of this payload
+        if getattr(stream, "recvmsg_into", None) is not None:  # recv_scatter looks for it
+            self.recvmsg_into = self._recvmsg_into
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+    def _check(self) -> float:
+        late = self.waited - self._grace
+        if late > 0 and self.got < late * self._rate:
+            raise PayloadTooSlow(f"{self.got} of {self._total} payload bytes in {self.waited:.1f}s of waiting")
+        return time.monotonic()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int:
+        t = self._check()
+        try:
+            n = self._s.recv_into(buffer, nbytes, flags)
+        finally:
+            self.waited += time.monotonic() - t
+        self.got += n
+        return n
+
+    def _recvmsg_into(self, buffers: Any, /) -> Any:
+        t = self._check()
+        try:
+            out = self._s.recvmsg_into(buffers)
+        finally:
+            self.waited += time.monotonic() - t
+        self.got += out[0]
+        return out
 
 
 class WriteGuard:
@@ -143,6 +197,7 @@ class ServerContext:
     metrics: RequestMetrics | None = None
     ops: dict[Op, OpFn] = field(default_factory=dict)
     stalled: int = 0  # connections closed because a request's payload or reply stopped moving
+    too_slow: int = 0  # connections closed because a request's payload fell behind the floor rate
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,9 +208,15 @@ class ServerContext:
         with self._lock:
             self.stalled += 1
 
+    def count_too_slow(self) -> None:
+        with self._lock:
+            self.too_slow += 1
+
     def counters(self) -> dict[str, int]:
         """The connection handlers' counters, for the daemon's stats and metrics."""
-        return {"requests_stalled": self.stalled}
+        assert self.budget is not None
+        return {"requests_stalled": self.stalled, "requests_too_slow": self.too_slow,
+                "meta_budget_held": self.budget.used}
 
 
 class Handler:
@@ -173,6 +234,7 @@ class Handler:
             # authenticated; before that its timeout bounds every wait)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._progress)
         self.stream = stream
+        self.payload: Any = stream  # what the request's payload is read from (PacedStream when it may trickle)
         self.ctx = ctx
         self.store = ctx.store
         self.node_id = ctx.node_id
@@ -254,6 +316,10 @@ class Handler:
                 if meta_len + payload_len > self._ahead.buffered:  # not all in yet: it may stall
                     armed = self._sock
                     armed.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._progress)
+            self.payload = self.stream
+            if payload_len and (armed is not None or timed):
+                cfg = self.ctx.config
+                self.payload = PacedStream(self.stream, cfg.frame_timeout_s, cfg.payload_floor_rate, payload_len)
             meta = self.frames.read_meta(op, meta_len, self.authed)
             known = _OPS.get(op)
             if known is None:
@@ -316,7 +382,7 @@ class Handler:
                 self.metrics.observe("error", t0)
             try:
                 if not r.fatal:
-                    drain(self.stream, payload_len - consumed, self._scratch)
+                    drain(self.payload, payload_len - consumed, self._scratch)
                 self.reply(0, req_id, {"code": int(r.code), "msg": r.msg}, P.FLAG_ERROR)
             except OSError as exc:
                 return self._lost(exc, req_id)
@@ -332,6 +398,7 @@ class Handler:
             return False
         finally:
             self.frames.done()
+            self.payload = self.stream
             if timed:
                 self.stream.settimeout(None)  # idle between requests for as long as it likes
             if armed is not None:
@@ -343,7 +410,22 @@ class Handler:
     def _lost(self, exc: OSError, req_id: int) -> bool:
         """The connection failed mid-request; False (close it). A blocking receive or send of a
         socket that gave up (EAGAIN: SO_RCVTIMEO / SO_SNDTIMEO) means its peer stopped moving
-        the payload or the reply: counted, and the connection reset (nothing left to deliver)."""
+        the payload or the reply, PayloadTooSlow that the payload fell behind the floor rate:
+        counted, and the connection reset (nothing left to deliver)."""
+        if isinstance(exc, PayloadTooSlow):
+            self.ctx.count_too_slow()
+            cfg = self.ctx.config
+            limited.warning("too-slow", "reset the connection of %s: request %d's payload arrived below the floor "
+                            "of %d bytes/s after a --frame-timeout (%gs) of grace: %s; what it held is released "
+                            "(%d such so far)",
+                            self._peer(), req_id, cfg.payload_floor_rate, cfg.frame_timeout_s, exc,
+                            self.ctx.too_slow)
+            self.stream.abort()
+            return False
+        if isinstance(exc, FrameTimeout):
+            limited.info("torn-meta", "closed the connection of %s: request %d's metadata did not arrive within "
+                         "--frame-timeout (%gs): %s", self._peer(), req_id, self.ctx.config.frame_timeout_s, exc)
+            return False
         if (isinstance(exc, BlockingIOError) and self._sock is not None) or (
                 isinstance(exc, TimeoutError) and self._sock is None and self.authed):
             self.ctx.count_stall()
@@ -480,7 +562,7 @@ class Handler:
                     k += 1
                     if res is None or isinstance(res, Status):  # refused: its bytes are read and dropped
                         self._land(ns, keys, vmeta, chunk, handover, status, guard)
-                        drain(self.stream, sizes[i], self._scratch)
+                        drain(self.payload, sizes[i], self._scratch)
                         status.append(int(res if res is not None else refused[i]))  # type: ignore[arg-type]
                     else:
                         chunk.append((i, res))
@@ -499,7 +581,7 @@ class Handler:
         a key this node no longer owns by the time it lands: NOT_OWNER in ``status``)."""
         if not chunk:
             return
-        recv_scatter(self.stream, [res.view for _i, res in chunk])
+        recv_scatter(self.payload, [res.view for _i, res in chunk])
         if not handover:
             try:
                 for n in self.store.commit_many([((ns, keys[i]), res, vmeta[i]) for i, res in chunk], guard):

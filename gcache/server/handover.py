@@ -67,7 +67,7 @@ def push(store: Store, membership: Membership, ns: str, keys: Sequence[bytes], p
     newer one was written here meanwhile. Returns how many moved."""
     present = []
     for k in keys:
-        hit = store.acquire((ns, k))
+        hit = store.acquire((ns, k), bounded=False)  # at most BATCH values at a time
         if hit is not None:
             present.append((k, hit))
     by_pool: dict[str | None, list[int]] = defaultdict(list)

@@ -176,17 +176,20 @@ class LocalHandler(Handler):
         got, status, sizes = self._acquire_keys(ns, keys)
         hits = [h for h in got if h is not None and h.entry is not None]  # in the arena: leased
         inline = [h for h in got if h is not None and h.entry is None]  # a private copy: sent
-        offs = [h.entry.off if h is not None and h.entry is not None else -1 for h in got]
-        deadline = time.monotonic() + self.lease_s
-        lid = self._new_lease(_Lease(deadline, hits=hits)) if hits else 0
-        # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
-        # kernel: the abstract socket is only reachable from this host). A copy finished before
-        # it cannot have raced a reuse of its slots, so the client may release it one-way.
-        reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
-        if meta.get("vm"):
-            reply["vm"] = value_meta_list(got)
-        self._mark_final_misses(ns, keys, status, reply)
-        self.reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
+        try:
+            offs = [h.entry.off if h is not None and h.entry is not None else -1 for h in got]
+            deadline = time.monotonic() + self.lease_s
+            lid = self._new_lease(_Lease(deadline, hits=hits)) if hits else 0
+            # "dl": the lease's deadline on CLOCK_MONOTONIC, which client and daemon share (same
+            # kernel: the abstract socket is only reachable from this host). A copy finished before
+            # it cannot have raced a reuse of its slots, so the client may release it one-way.
+            reply = {"st": status, "sz": sizes, "off": offs, "ls": lid, "dl": deadline}
+            if meta.get("vm"):
+                reply["vm"] = value_meta_list(got)
+            self._mark_final_misses(ns, keys, status, reply)
+            self.reply(Op.LGET, req_id, reply, 0, [h.view for h in inline])
+        finally:
+            self.store.release_many(inline)  # their read budget (disk hits read outside the arena)
         self.moved = (0, sum(len(h.view) for h in got if h is not None))  # copied out or sent
 
     def _ldone(self, req_id: int, meta: dict[str, Any]) -> None:

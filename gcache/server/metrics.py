@@ -40,11 +40,15 @@ STORE_COUNTERS = {
     "corrupt": ("gcache_corrupt", "NVMe reads that failed their checksum", {}),
     "requests_stalled": ("gcache_requests_stalled",
                          "connections reset: a request's payload or reply moved no byte for --progress-timeout", {}),
+    "requests_too_slow": ("gcache_requests_too_slow",
+                          "connections reset: a request's payload fell below 1 MiB/s after --frame-timeout", {}),
     "demotion_skips": ("gcache_demotion_skips", "evicted values not written to the NVMe tier (not worth it)", {}),
     "demotions_superseded": ("gcache_demotions_superseded",
                              "demotions dropped: the value was deleted or overwritten meanwhile", {}),
     "promotions_dropped": ("gcache_promotions_dropped",
                            "NVMe hits not promoted: deleted or overwritten while read", {}),
+    "disk_reads_refused": ("gcache_disk_reads_refused",
+                           "NVMe hits answered as misses: no room to promote them nor in --disk-read-budget", {}),
     "dropped": ("gcache_dropped", "values dropped whole (a node declared down, a ring change it missed)", {}),
     "disk_write_errors": ("gcache_disk_write_errors", "NVMe tier writes that failed (a full or failing disk)", {}),
     "disk_corrupt": ("gcache_disk_corrupt", "NVMe records dropped: they failed their checksum", {}),
@@ -60,6 +64,10 @@ STORE_GAUGES = {
     "disk_used": ("gcache_disk_used_bytes",
                   "NVMe tier bytes occupied (records of deleted values too, until their segment is reclaimed)"),
     "disk_keys": ("gcache_disk_keys", "values in the NVMe tier"),
+    "disk_read_buffer_bytes": ("gcache_disk_read_buffer_bytes",
+                               "bytes of NVMe hits held outside the arena until their reply is sent"),
+    "disk_read_budget": ("gcache_disk_read_budget_bytes", "--disk-read-budget"),
+    "meta_budget_held": ("gcache_meta_budget_held_bytes", "bytes of the --meta-budget held by requests being read"),
 }
 
 

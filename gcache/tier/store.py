@@ -3,8 +3,14 @@
 Puts land in RAM. RAM eviction (gcache.tier.eviction) hands values to a bounded write-behind queue; one demoter
 thread writes them to NVMe and then frees their slots, so a put never waits on the disk unless
 the queue is full of in-flight demotions and nothing else can be evicted. Gets are served from
-whichever tier holds the key; an NVMe hit is promoted into RAM when there is room. A checksum
-mismatch is a miss plus a logged error, never corrupt bytes.
+whichever tier holds the key; an NVMe hit is promoted into RAM when there is room. When there is
+none (the arena is pinned full, often by the other hits of the same requests) the hit is read
+into a private buffer, drawn on a daemon-wide budget (``read_buffer_bytes``) until it is
+released (its reply sent), so such reads cannot grow memory past --mem by more than the budget.
+A hit that finds no budget waits for room (to promote it, or budget released by other readers)
+if its request holds none of the budget yet, up to ``read_wait_s`` for the whole request, and is
+a miss otherwise (``disk_reads_refused``): holders never wait, so waiting always ends. A
+checksum mismatch is a miss plus a logged error, never corrupt bytes.
 
 Concurrency: one lock covers the index, the allocator and the queue; payload copies (socket
 receive into a slot, send from a slot, disk reads and writes) happen outside it on pinned or
@@ -66,6 +72,10 @@ class StoreConfig:
     pool_budgets: RAM byte budgets of tagged pools (gcache.tier.pools); recency_bucket_s: width
     of the recency buckets that order pooled entries (within one, later chain positions go first).
     eviction: the policy that orders untagged entries and picks what is written to NVMe.
+    read_buffer_bytes: bytes of NVMe hits read outside the arena (no room to promote them) that
+    all readers may hold at once; None: a quarter of mem_bytes, at least max_value_bytes, at most
+    mem_bytes (``read_budget``). read_wait_s: how long (all its hits together) a request that
+    holds none of that budget waits for room, before such a hit is answered as a miss.
     """
 
     mem_bytes: int
@@ -80,6 +90,15 @@ class StoreConfig:
     pool_budgets: tuple[PoolBudget, ...] = ()
     recency_bucket_s: float = 1.0
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    read_buffer_bytes: int | None = None
+    read_wait_s: float = 1.0
+
+    @property
+    def read_budget(self) -> int:
+        """The budget of private read buffers (read_buffer_bytes, or its default)."""
+        if self.read_buffer_bytes is not None:
+            return self.read_buffer_bytes
+        return min(self.mem_bytes, max(self.max_value_bytes, self.mem_bytes // 4))
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
@@ -93,6 +112,8 @@ class StoreConfig:
             raise ConfigError("full_wait_s must be >= 0")
         if not self.recency_bucket_s > 0:
             raise ConfigError("recency_bucket_s must be > 0")
+        if self.read_buffer_bytes is not None and self.read_buffer_bytes < 0:
+            raise ConfigError(f"read_buffer_bytes={self.read_buffer_bytes}: must be >= 0", "read_buffer_bytes")
 
 
 class Reservation:
@@ -105,12 +126,15 @@ class Reservation:
 
 
 class Hit:
-    """A value being read: ``view`` stays valid until Store.release(hit)."""
+    """A value being read: ``view`` stays valid until Store.release(hit). ``held``: bytes of the
+    private-read budget its buffer draws on (a disk hit read outside the arena), given back by
+    release."""
 
-    __slots__ = ("entry", "loc", "view")
+    __slots__ = ("entry", "held", "loc", "view")
 
-    def __init__(self, view: memoryview, entry: RamEntry | None, loc: Location | None = None) -> None:
-        self.view, self.entry, self.loc = view, entry, loc
+    def __init__(self, view: memoryview, entry: RamEntry | None, loc: Location | None = None,
+                 held: int = 0) -> None:
+        self.view, self.entry, self.loc, self.held = view, entry, loc, held
 
     @property
     def meta(self) -> ValueMeta:
@@ -156,6 +180,9 @@ class Store:
         self._mine = threading.local()
         self._queue: collections.deque[tuple[Key, RamEntry]] = collections.deque()
         self._queue_bytes = 0
+        self.read_budget = config.read_budget
+        self._read_held = 0  # bytes of private read buffers (disk hits not promoted) held by readers
+        self._read_waiters = 0  # disk hits waiting for room or read budget
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
         self._demoter = None
@@ -294,15 +321,18 @@ class Store:
         return Status.OK
 
     # -- get --------------------------------------------------------------------------------
-    def acquire(self, key: Key) -> Hit | None:
-        """The value for ``key`` pinned for reading, or None on a miss. Call release(hit)."""
-        return self.acquire_many([key])[0]
+    def acquire(self, key: Key, bounded: bool = True) -> Hit | None:
+        """The value for ``key`` pinned for reading, or None on a miss. Call release(hit).
+        ``bounded``: a disk hit read outside the arena draws on the read budget (else a miss);
+        False only for an internal reader that holds few values at a time (the handover)."""
+        return self.acquire_many([key], bounded)[0]
 
-    def acquire_many(self, keys: Sequence[Key | None]) -> list[Hit | None]:
+    def acquire_many(self, keys: Sequence[Key | None], bounded: bool = True) -> list[Hit | None]:
         """acquire() for each key (None: skipped, a miss) under one lock for the RAM part; keys
         only on disk are read afterwards, outside it. Each hit is pinned: release() it."""
         out: list[Hit | None] = [None] * len(keys)
         disk: list[tuple[int, Key]] = []
+        holding = False  # this request holds read budget: its further disk hits do not wait for more
         with self._lock:
             now = time.time()
             hits = 0
@@ -317,9 +347,11 @@ class Store:
                 out[i] = Hit(self.arena.slot(entry.off, entry.size), entry)
                 hits += 1
             self.counters["hits_ram"] += hits
+        until = time.monotonic() + self.config.read_wait_s if disk else 0.0  # all its waits together
         try:
             for i, key in disk:
-                out[i] = self._acquire_from_disk(key)
+                hit = out[i] = self._acquire_from_disk(key, bounded=bounded, wait_until=None if holding else until)
+                holding = holding or (hit is not None and hit.held > 0)
         except BaseException:
             self.release_many([hit for hit in out if hit is not None])
             raise
@@ -329,16 +361,22 @@ class Store:
         self.release_many([hit])
 
     def release_many(self, hits: Sequence[Hit]) -> None:
-        """Unpin each hit (one lock for the batch)."""
+        """Unpin each hit, give back the read budget of those read outside the arena (one lock
+        for the batch; a hit released twice gives its budget back once)."""
         entries = [h.entry for h in hits if h.entry is not None]
-        if not entries:
+        held = 0
+        for h in hits:
+            if h.held:
+                held, h.held = held + h.held, 0
+        if not entries and not held:
             return
         unpin, freed = self.ram.unpin, False
         with self._lock:
+            self._read_held -= held
             for e in entries:
                 unpin(e)
                 freed = freed or e.dead
-            if freed:
+            if freed or (self._read_waiters and (held or entries)):  # room for a waiting disk hit
                 self._lock.notify_all()
 
     def _queued(self, key: Key, now: float) -> RamEntry | None:
@@ -348,7 +386,11 @@ class Store:
             return None
         return e
 
-    def _acquire_from_disk(self, key: Key, promote_only: bool = False) -> Hit | None:
+    def _acquire_from_disk(self, key: Key, promote_only: bool = False, bounded: bool = True,
+                           wait_until: float | None = None) -> Hit | None:
+        """A disk hit, promoted into RAM when there is room, else (unless ``promote_only``) read
+        into a private buffer; ``bounded``: that buffer draws on the read budget, waiting until
+        ``wait_until`` (time.monotonic) for room or budget when there is none (None: a miss at once)."""
         nvme = self.nvme
         loc = nvme.lookup(key) if nvme is not None else None
         if loc is None:
@@ -357,20 +399,49 @@ class Store:
             return None
         assert nvme is not None
         off, group = None, None
-        if self.config.promote_on_hit:
-            with self._lock:
-                pool = loc.meta.pool
-                group = self._group((key[0], pool)) if pool is not None else None
-                off = self._make_room(loc.size, group)
-        if off is None and promote_only:  # (a re-mark: not worth a read that keeps nothing)
-            nvme.done(loc)
+        held = loc.size if bounded and not promote_only else 0
+        refused = False
+        with self._lock:
+            while True:
+                if self.config.promote_on_hit:
+                    pool = loc.meta.pool
+                    group = self._group((key[0], pool)) if pool is not None else None
+                    off = self._make_room(loc.size, group)
+                if off is not None or promote_only or self._read_held + held <= self.read_budget:
+                    break
+                now = time.monotonic()
+                if wait_until is None or now >= wait_until or self._closed:
+                    self.counters["misses"] += 1
+                    self.counters["disk_reads_refused"] += 1
+                    refused = True
+                    break
+                self._read_waiters += 1
+                try:
+                    self._lock.wait(wait_until - now)
+                finally:
+                    self._read_waiters -= 1
+            if off is None and not refused and not promote_only:
+                self._read_held += held
+        if refused or (off is None and promote_only):  # (a re-mark: not worth a read that keeps nothing)
+            nvme.done(loc)  # refused: a cache may forget, better than memory without bound
             return None
-        if off is None:  # no room to promote: read into a private buffer
-            buf = memoryview(bytearray(loc.size))
-            ok = nvme.read(key, loc, buf) and nvme.current(key, loc)  # a delete since lookup: a miss
-            with self._lock:
-                self.counters["hits_nvme" if ok else "misses"] += 1
-            return Hit(buf, None, loc) if ok else None
+        if off is None:  # no room to promote: read into a private buffer, drawn on the read budget
+            ok = False
+            try:
+                try:
+                    buf = memoryview(bytearray(loc.size))
+                except BaseException:
+                    nvme.done(loc)
+                    raise
+                ok = nvme.read(key, loc, buf) and nvme.current(key, loc)  # a delete since lookup: a miss
+            finally:
+                with self._lock:
+                    self.counters["hits_nvme" if ok else "misses"] += 1
+                    if not ok:
+                        self._read_held -= held
+                        if held and self._read_waiters:
+                            self._lock.notify_all()
+            return Hit(buf, None, loc, held) if ok else None
         view = self.arena.slot(off, loc.size)
         ok = nvme.read(key, loc, view)
         with self._lock:
@@ -753,6 +824,8 @@ class Store:
                 ram_keys=len(self.ram),
                 demote_queue_bytes=self._queue_bytes,
             )
+            if self.nvme is not None:
+                out.update(disk_read_buffer_bytes=self._read_held, disk_read_budget=self.read_budget)
             for (ns, pool), g in self.ram.groups.items():
                 if not g.entries and g.budget is None:
                     continue  # an empty pool without a budget says nothing (thousands may have been)
