@@ -150,10 +150,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._watcher is not None:
-            if self._pool.owned():  # in a forked child its thread and channel are not ours to stop
-                self._watcher.stop()
-            self._watcher = None
+        watcher, self._watcher = self._watcher, None  # first: a refresh its stop() breaks sees it closed
+        if watcher is not None and self._pool.owned():  # in a forked child its thread and channel are not ours
+            watcher.stop()
         self._pool.close()
 
     # -- membership -------------------------------------------------------------------------
