@@ -19,7 +19,6 @@ from gcache.tier.eviction import (
 from gcache.tier.policies import make_policy
 from gcache.tier.slru import SeqGhost, SlruPolicy
 from gcache.tier.store import Store, StoreConfig
-from gcache.tier.valuemeta import NO_META
 from tests.conftest import read
 
 KB = 1024
@@ -414,28 +413,3 @@ def test_reuse_adapts_its_weight_to_a_trace_whose_contexts_are_read_twice():
     lru = global_lru(trace, cap).hit_rate
     got = simulate(trace, SimConfig(cap, 0, 1, EvictionConfig(EvictionKind.REUSE))).hit_rate
     assert got >= lru - 0.01, (got, lru)
-
-
-@pytest.mark.parametrize("kind", list(EvictionKind))
-def test_the_simulator_runs_a_put_batch_as_the_store_does(kind):
-    """A put request's values are reserved together before any is committed (Store.reserve_many),
-    so a batch larger than the cache evicts what was there and keeps its own first values, never
-    its own earlier ones. The simulator put key by key: a chain longer than a node evicted its own
-    head as it was written, 5.6 points under global LRU on a document-QA trace that the daemon
-    does not lose. Both, on a cache of 4 slots holding 0..3, given a batch of 6 new keys."""
-    from gcache.bench.policysim import SimStore
-
-    page = 4096
-    store = Store(StoreConfig(mem_bytes=4 * page, pretouch=False, full_wait_s=0.0, eviction=EvictionConfig(kind)))
-    sim = SimStore(4, 0, EvictionConfig(kind))
-    for k in range(4):
-        assert store.put(f"k{k}", b"x" * page) is Status.OK
-        sim.put(k)
-    batch = list(range(10, 16))
-    res = store.reserve_many([page] * len(batch))
-    store.commit_many([(f"k{k}", r, NO_META) for k, r in zip(batch, res) if not isinstance(r, Status)])
-    sim.put_many(batch)
-    stored = [k for k in range(16) if read(store, f"k{k}") is not None]
-    assert stored == [10, 11, 12, 13] == sorted(sim.ram)
-    assert res[4:] == [Status.FULL, Status.FULL]
-    store.close()

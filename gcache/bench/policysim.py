@@ -7,9 +7,7 @@ the keys the client's consistent-hash ring gives it; each store has a RAM tier o
 ``disk_blocks / nodes`` slots: an append-only log cut into segments of ``segment_blocks``
 records, the oldest segment reclaimed whole when a write would exceed the budget, as the
 daemon's segment files are. The request flow is the replay's: ``exists`` on every block,
-``get`` of the leading hits, ``put`` of the rest, one put request per owner: room for all of
-its values is made before any is committed (the store's reserve_many), so a batch never evicts
-its own values, and one larger than a node keeps its first ones.
+``get`` of the leading hits, ``put`` of the rest.
 
 Store semantics kept: ``exists`` and ``get`` hits are references; an NVMe hit on ``get`` is
 promoted into RAM as a reused entry and keeps its disk copy, so evicting it again writes
@@ -115,29 +113,15 @@ class SimStore:
         return True
 
     def put(self, key: int) -> None:
-        self.put_many([key])
+        if self.disk is not None:
+            self.disk.forget(key)
+        if key not in self.ram:
+            self._make_room()
+        self.ram[key] = False
+        self.policy.insert(key, 1)
 
-    def put_many(self, keys: Sequence[int]) -> None:
-        """One put request, as the daemon runs it: room for every new key is made first (the
-        store's reserve_many, evicting only entries already committed, never the batch's own),
-        then the batch is committed in order. A key that finds nothing left to evict is FULL."""
-        new: dict[int, None] = {}  # insertion-ordered set
-        for key in keys:
-            if self.disk is not None:
-                self.disk.forget(key)
-            if key in self.ram:
-                self.policy.insert(key, 1)  # an existing entry: a reference
-            elif key not in new and self._make_room(len(new)):
-                new[key] = None
-        for key in new:
-            self.ram[key] = False
-            self.policy.insert(key, 1)
-
-    def _make_room(self, reserved: int = 0) -> bool:
-        """Slots for ``reserved`` pending values plus one, evicting; False: nothing left to evict."""
-        while len(self.ram) + reserved >= self.ram_slots:
-            if not self.ram:
-                return False
+    def _make_room(self) -> None:
+        while len(self.ram) >= self.ram_slots:
             victim = cast(int, next(iter(self.policy.candidates())))
             to_disk = self.disk is not None and not self.ram[victim] and self.policy.admit_to_disk(victim)
             self.policy.remove(victim, evicted=True)
@@ -147,7 +131,6 @@ class SimStore:
                 assert self.disk is not None
                 self.disk.append(victim)
                 self.demotions += 1
-        return True
 
 
 def simulate(requests: Sequence[TraceRequest], cfg: SimConfig, block_tokens: int = BLOCK_TOKENS) -> HitAccounting:
@@ -168,11 +151,8 @@ def simulate(requests: Sequence[TraceRequest], cfg: SimConfig, block_tokens: int
         ids = req.hash_ids
         k = leading_hits([owner[h].exists(h) for h in ids])
         k = leading_hits([owner[h].get(h) for h in ids[:k]])
-        batches: dict[int, list[int]] = {}  # the client sends each owner one put of its pages
         for h in ids[k:]:
-            batches.setdefault(id(owner[h]), []).append(h)
-        for batch in batches.values():
-            owner[batch[0]].put_many(batch)
+            owner[h].put(h)
         acc.add(req, k, block_tokens)
     return acc
 
