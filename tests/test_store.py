@@ -267,11 +267,11 @@ def test_reserve_many_that_fails_partway_holds_nothing(ram_store, monkeypatch):
     real = s._make_room
     calls = []
 
-    def make_room(size, group=None):
+    def make_room(size, *args):
         calls.append(size)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return real(size, group)
+        return real(size, *args)
 
     monkeypatch.setattr(s, "_make_room", make_room)
     with pytest.raises(RuntimeError, match="injected"):
@@ -363,3 +363,46 @@ def test_a_disk_hit_without_read_budget_waits_for_another_reader_to_release_it(t
     assert s.acquire(on_disk[2]) is None, "a reader waited past read_wait_s"  # then a miss
     assert s.stats()["disk_reads_refused"] == 1
     s.release_many(held)
+
+
+def test_a_put_into_a_full_arena_with_a_disk_tier_evicts_what_it_needs_not_all_of_ram(tiered):
+    """A victim bound for the disk keeps its slot until the demoter has written it, and the
+    demoter needs the lock the eviction loop holds: one put into a full arena evicted every entry
+    (a prober: 256 of 256 pages went to the disk queue, RAM emptied). It evicts about what it
+    needs and waits for the demoter."""
+    page = 4096
+    s = tiered(mem=256 * page, disk=64 << 20, pretouch=False)
+    for i in range(256):
+        assert s.put(("n", b"k%d" % i), b"x" * page) is Status.OK
+    assert s.flush()
+    before = s.stats()
+    assert s.put(("n", b"new"), b"y" * page) is Status.OK
+    after = s.stats()
+    assert after.get("evictions", 0) - before.get("evictions", 0) <= 4, (before, after)
+    assert after["ram_keys"] >= before["ram_keys"] - 3
+    assert read(s, ("n", b"new")) == b"y" * page
+    assert read(s, ("n", b"k0")) == b"x" * page  # the evicted ones are on disk
+
+
+def test_a_pooled_batch_counts_its_own_reservations_against_the_pools_budget(tmp_path):
+    """The budget was checked against committed bytes only: one batch at a 128-page budget took
+    the pool to 196 pages (a prober). Values the batch's earlier ones leave no budget for are FULL."""
+    from gcache.tier.pools import PoolBudget
+    from gcache.tier.valuemeta import ValueMeta
+
+    page = 4096
+    s = Store(StoreConfig(mem_bytes=1024 * page, pretouch=False, full_wait_s=0.0,
+                          pool_budgets=(PoolBudget("kv", 128 * page),)))
+    res = s.reserve_many([page] * 120, pool=("ns", "kv"))
+    s.commit_many([(("ns", b"a%d" % i), r, ValueMeta(pool="kv")) for i, r in enumerate(res)])
+    res = s.reserve_many([page] * 120, pool=("ns", "kv"))
+    ok = [r for r in res if not isinstance(r, Status)]
+    s.commit_many([(("ns", b"b%d" % i), r, ValueMeta(pool="kv")) for i, r in enumerate(ok)])
+    pool = s.stats()
+    kv_bytes = sum(g.bytes for g in s.ram.groups.values())
+    assert kv_bytes <= 128 * page, (kv_bytes // page, pool)
+    assert len(ok) == 120 and Status.FULL not in res  # room made by evicting the pool's older pages
+    res = s.reserve_many([page] * 130, pool=("ns", "kv"))  # more than the budget in one batch
+    assert res[:128].count(Status.FULL) == 0 and res[128:] == [Status.FULL, Status.FULL]
+    s.abort_many([r for r in res if not isinstance(r, Status)])
+    s.close()

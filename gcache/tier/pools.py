@@ -151,8 +151,10 @@ class PoolGroup:
         entry.okey = (entry.tail, bucket, -entry.pos, next(self._seq), key)
         self.order.add(entry.okey)
 
-    def over_budget(self, extra: int) -> bool:
-        return self.budget is not None and self.bytes + aligned(extra) > self.budget
+    def over_budget(self, extra: int, reserved: int = 0) -> bool:
+        """Whether ``extra`` more bytes take the pool past its budget, beside ``reserved`` bytes
+        a put batch has already reserved for it (not committed yet, so not in ``bytes``)."""
+        return self.budget is not None and self.bytes + reserved + aligned(extra) > self.budget
 
     def victims(self) -> Iterator[tuple[Key, RamEntry]]:
         """Unpinned members, first to evict first. The caller may evict each one yielded."""

@@ -1,8 +1,10 @@
 """Tiered store: RAM arena in front of NVMe segments.
 
 Puts land in RAM. RAM eviction (gcache.tier.eviction) hands values to a bounded write-behind queue; one demoter
-thread writes them to NVMe and then frees their slots, so a put never waits on the disk unless
-the queue is full of in-flight demotions and nothing else can be evicted. Gets are served from
+thread writes them to NVMe and then frees their slots. A victim's slot is free only once it is
+written, so a put into a full arena evicts about what it needs and waits for the demoter (up to
+half of full_wait_s) rather than evicting the whole arena into the queue; past that it evicts on
+as before (beyond demote_queue_bytes victims are dropped, which frees at once). Gets are served from
 whichever tier holds the key; an NVMe hit is promoted into RAM when there is room. When there is
 none (the arena is pinned full, often by the other hits of the same requests) the hit is read
 into a private buffer, drawn on a daemon-wide budget (``read_buffer_bytes``) until it is
@@ -216,8 +218,14 @@ class Store:
 
     def _reserve_each(self, sizes: Sequence[int | None], group: PoolGroup | None, limit: int, budget: int,
                       out: list[Reservation | Status | None]) -> None:
-        """Lock held: reserve_many's loop, appending to ``out``."""
+        """Lock held: reserve_many's loop, appending to ``out``. A pooled batch counts its own
+        reservations against the pool's budget (it could take a pool far past it: a 120-page batch
+        at a 128-page budget left 196 pages, a prober); a value the batch's earlier ones leave no
+        budget for is FULL at once. A full arena waits for the demoter for up to half of
+        full_wait_s before evicting more than is already on its way to the disk (_make_room)."""
         deadline = 0.0
+        reserved = 0  # bytes this call reserved for the pool
+        wait = self.config.full_wait_s
         for size in sizes:
             if size is None:
                 out.append(None)
@@ -225,17 +233,26 @@ class Store:
             if size > limit or size > budget:
                 out.append(Status.TOO_LARGE)
                 continue
+            if group is not None and group.budget is not None and reserved + aligned(size) > group.budget:
+                self.counters["full"] += 1
+                out.append(Status.FULL)
+                continue
             while True:
-                off = self._make_room(size, group)
+                patient = not deadline or time.monotonic() < deadline - wait / 2
+                off = self._make_room(size, group, reserved, patient)
                 if off is not None:
                     out.append(Reservation(off, size, self.arena.slot(off, size), group))
+                    if group is not None:
+                        reserved += aligned(size)
                     break
-                deadline = deadline or time.monotonic() + self.config.full_wait_s
+                deadline = deadline or time.monotonic() + wait
                 remaining = deadline - time.monotonic()
                 if not self._queue_bytes or remaining <= 0:
                     self.counters["full"] += 1
                     out.append(Status.FULL)
                     break
+                if patient:  # wake when patience ends, to evict more if the demoter has not freed room
+                    remaining = min(remaining, max(0.001, deadline - wait / 2 - time.monotonic()))
                 self._lock.wait(remaining)
 
     def commit(self, key: Key, res: Reservation, meta: ValueMeta = NO_META) -> None:
@@ -406,7 +423,7 @@ class Store:
                 if self.config.promote_on_hit:
                     pool = loc.meta.pool
                     group = self._group((key[0], pool)) if pool is not None else None
-                    off = self._make_room(loc.size, group)
+                    off = self._make_room(loc.size, group, patient=True)  # no flush of RAM for a read
                 if off is not None or promote_only or self._read_held + held <= self.read_budget:
                     break
                 now = time.monotonic()
@@ -655,26 +672,35 @@ class Store:
 
     MAX_GROUPS = 4096
 
-    def _make_room(self, size: int, group: PoolGroup | None = None) -> int | None:
+    def _make_room(self, size: int, group: PoolGroup | None = None, reserved: int = 0,
+                   patient: bool = False) -> int | None:
         """Lock held: allocate ``size`` bytes. A pooled value first brings its pool under
-        budget, evicting that pool's own entries; then untagged entries are evicted in LRU
-        order, then (pooled) the pool's own. Other pools' entries are never touched."""
+        budget (beside ``reserved`` bytes its batch holds), evicting that pool's own entries;
+        then untagged entries are evicted in policy order, then (pooled) the pool's own. Other
+        pools' entries are never touched. ``patient``: once enough bytes are waiting for the
+        demoter to free their slots, None (the caller waits for it) instead of evicting more:
+        a victim bound for the disk keeps its slot until it is written, and the demoter needs
+        this lock, so one put into a full arena evicted every entry (a prober: 256 of 256)."""
         alloc = self.ram.alloc
-        if group is not None and group.over_budget(size):
+        if group is not None and group.over_budget(size, reserved):
             for key, entry in group.victims():
                 self._evict(key, entry)
-                if not group.over_budget(size):
+                if not group.over_budget(size, reserved):
                     break
-            if group.over_budget(size):
+            if group.over_budget(size, reserved):
                 return None
         off = alloc.alloc(size)
         if off is not None:
             return off
         if not self._room_possible(size, group):
             return None  # FULL, without evicting values for a put that could not fit anyway
+        need = aligned(size)
+        patient = patient and self._demoter is not None and need * ROOM_CHECK_SHARE < alloc.capacity
         sources = [self.ram.victims()] if group is None else [self.ram.victims(), group.victims()]
         for victims in sources:
             for key, entry in victims:
+                if patient and self._queue_bytes >= need:
+                    return None
                 self._evict(key, entry)
                 off = alloc.alloc(size)
                 if off is not None:
