@@ -57,7 +57,7 @@ def test_a_membership_in_which_nothing_owns_keys_is_adopted_and_every_key_is_una
         c.kill(0, signal.SIGSTOP)
         assert poll(lambda: all(r["state"] == "down" for r in mc.membership()["nodes"]), 10)
         epoch = mc.membership()["epoch"]
-        assert poll(lambda: cl._view.epoch >= epoch, 5)
+        assert poll(lambda cl=cl: cl._view.epoch >= epoch, 5)
         t0 = time.monotonic()
         assert cl.get(["k"]) == [None] and cl.put(["k"], [b"w"]) == [Status.UNAVAILABLE]
         assert time.monotonic() - t0 < 0.5  # nothing to wait for: no owner
@@ -399,8 +399,6 @@ def test_calls_racing_close_end_with_client_closed_not_a_grpc_error(mastered):
     another thread closed the gRPC channel under those refreshes, and 48 of 64 threads got a bare
     ValueError "Cannot invoke RPC on closed channel!" (a prober). Each ends with a result or a
     gcache error, and once closed, ClientClosed."""
-    from gcache.errors import ClientClosed, GCacheError
-
     c = mastered
     mc = MasterClient(c.master_url, c.token, timeout_s=2.0)
     clients = [Client(c.master_url, token=c.token, timeout_s=2.0) for _ in range(3)]
@@ -409,32 +407,40 @@ def test_calls_racing_close_end_with_client_closed_not_a_grpc_error(mastered):
     epoch = mc.membership()["epoch"]
     mc.close()
     for cl in clients:
-        assert poll(lambda: cl._view.epoch >= epoch, 5)
-        go, outcomes, calls = threading.Event(), [], []
+        assert poll(lambda cl=cl: cl._view.epoch >= epoch, 5)
+        assert race_close(cl) == ["closed"] * 16
 
-        def worker(i):
-            go.wait()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                try:
-                    cl.get([f"k{i}"])
-                    calls.append(i)
-                except ClientClosed:
-                    outcomes.append("closed")
-                    return
-                except GCacheError:
-                    calls.append(i)
-                except Exception as exc:  # the bug: anything untyped
-                    outcomes.append(repr(exc))
-                    return
-            outcomes.append("never closed")
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        go.set()
-        assert poll(lambda: len(calls) >= 16, 10)  # calls under way, refreshing
-        cl.close()
-        for t in threads:
-            t.join(15)
-        assert outcomes == ["closed"] * 16, outcomes
+def race_close(cl, threads=16):
+    """``threads`` threads calling get() on ``cl`` until it raises ClientClosed (or 10 s), while
+    this one closes it once the calls are under way: each thread's outcome."""
+    from gcache.errors import ClientClosed, GCacheError
+
+    go, outcomes, calls = threading.Event(), [], []
+
+    def worker(i):
+        go.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                cl.get([f"k{i}"])
+                calls.append(i)
+            except ClientClosed:
+                outcomes.append("closed")
+                return
+            except GCacheError:
+                calls.append(i)
+            except Exception as exc:  # noqa: BLE001 (the bug: anything untyped)
+                outcomes.append(repr(exc))
+                return
+        outcomes.append("never closed")
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    go.set()
+    assert poll(lambda: len(calls) >= threads, 10)  # calls under way, refreshing
+    cl.close()
+    for t in ts:
+        t.join(15)
+    return outcomes
