@@ -85,10 +85,17 @@ class PageCache:
 
 
 class GcachePages(PageCache):
-    def __init__(self, addresses: list[str], namespace: str = "hitrate") -> None:
+    def __init__(self, addresses: list[str], namespace: str = "hitrate", node_ids: list[str] | None = None) -> None:
+        """``node_ids``: the daemons' ids, in the order of ``addresses``: keys are placed by them,
+        as the simulator places them (by addresses, which change every run, placement alone moved
+        a point at small capacities by several points against the simulator's)."""
         from gcache.client import Client
+        from gcache.meta.membership import Membership, Node
 
-        self.client = Client(addresses, namespace=namespace, timeout_s=30.0)
+        nodes: list[str] | Membership = addresses
+        if node_ids is not None:
+            nodes = Membership(0, tuple(Node(n, a) for n, a in zip(node_ids, addresses, strict=True)))
+        self.client = Client(nodes, namespace=namespace, timeout_s=30.0)
 
     def exists(self, keys: list[str]) -> list[bool]:
         return self.client.exists(keys)
@@ -182,15 +189,14 @@ def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> H
     """One replay on a fresh local cluster sized by ``cfg``."""
     from gcache.cluster import LocalCluster
 
-    per_node = max(64 << 10, int(info.ws_bytes * cfg.capacity_fraction / nodes))
-    disk_per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes)) if cfg.nvme else 0
+    per_node, disk_per_node = node_bytes(info, cfg, nodes)
     label = _label(per_node * nodes, cfg.nvme, cfg.policy.value, "daemon")
     cluster = LocalCluster(nodes=nodes, mem=str(per_node), disk=str(disk_per_node) if cfg.nvme else None,
                            extra_args=["--eviction", cfg.policy.value])
     cluster.start()
     t0 = time.perf_counter()
     try:
-        cache = GcachePages(cluster.addresses)
+        cache = GcachePages(cluster.addresses, node_ids=[d.node_id for d in cluster.daemons])
         try:
             acc = replay(info.requests, cache, info.page_bytes, progress, desc=f"replay {label}")
         finally:
@@ -201,16 +207,30 @@ def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> H
                    cfg.policy.value, "daemon")
 
 
-def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
-    """The same point simulated with the policy objects (gcache.bench.policysim), the NVMe tier
-    sized and cut into segments as the daemons of run_one do it."""
-    ram_blocks = max(nodes, int(info.ws_blocks * cfg.capacity_fraction))
+def node_bytes(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> tuple[int, int]:
+    """RAM and NVMe bytes of each daemon at a point (floors: 64 KiB of RAM, 1 MiB of disk)."""
+    per_node = max(64 << 10, int(info.ws_bytes * cfg.capacity_fraction / nodes))
+    disk_per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes)) if cfg.nvme else 0
+    return per_node, disk_per_node
+
+
+def sim_blocks(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> tuple[int, int, int]:
+    """Pages of RAM and of NVMe over the cluster, and NVMe pages a segment, as the daemons of
+    run_one hold them (their arenas and segment files, floors included)."""
+    per_node, disk_per_node = node_bytes(info, cfg, nodes)
+    ram_blocks = nodes * max(1, per_node // info.slot_bytes)
     disk_blocks = segment_blocks = 0
     if cfg.nvme:
-        per_node = max(1 << 20, int(info.ws_bytes * cfg.disk_fraction / nodes))
         record = info.page_bytes + NVME_RECORD_OVERHEAD
-        segment = SEGMENT_BYTES if per_node >= SEGMENT_BYTES else max(per_node // 4, 4096)
-        disk_blocks, segment_blocks = nodes * (per_node // record), max(1, segment // record)
+        segment = SEGMENT_BYTES if disk_per_node >= SEGMENT_BYTES else max(disk_per_node // 4, 4096)
+        disk_blocks, segment_blocks = nodes * (disk_per_node // record), max(1, segment // record)
+    return ram_blocks, disk_blocks, segment_blocks
+
+
+def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
+    """The same point simulated with the policy objects (gcache.bench.policysim), the RAM and
+    the NVMe tier sized and cut into segments as the daemons of run_one do it."""
+    ram_blocks, disk_blocks, segment_blocks = sim_blocks(info, cfg, nodes)
     t0 = time.perf_counter()
     acc = simulate(info.requests, SimConfig(ram_blocks, disk_blocks, nodes, EvictionConfig(cfg.policy),
                                             segment_blocks=max(1, segment_blocks)))
@@ -219,11 +239,11 @@ def run_sim(info: TraceInfo, cfg: ReplayConfig, nodes: int) -> HitRateRecord:
                    cfg.policy.value, "sim")
 
 
-def run_references(info: TraceInfo, cfg: ReplayConfig, nxt: list[int]) -> list[HitRateRecord]:
+def run_references(info: TraceInfo, cfg: ReplayConfig, nxt: list[int], nodes: int = 1) -> list[HitRateRecord]:
     """Global LRU, LRU behind a perfect admission filter and the offline optimum, at the point's
-    whole capacity (RAM + NVMe)."""
-    ram_blocks = max(1, int(info.ws_blocks * cfg.capacity_fraction))
-    disk_blocks = int(info.ws_blocks * cfg.disk_fraction) if cfg.nvme else 0
+    whole capacity (RAM + NVMe) as the engines' ``nodes`` daemons hold it (sim_blocks: the
+    references had no disk floor, and one beat the optimum)."""
+    ram_blocks, disk_blocks, _ = sim_blocks(info, cfg, nodes)
     total = ram_blocks + disk_blocks
     runs = (("global-lru", "sim", lambda: global_lru(info.requests, total)),
             ("lru-oracle-admission", "offline", lambda: lru_oracle_admission(info.requests, total, nxt=nxt)),
@@ -296,7 +316,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 continue  # RAM alone holds the working set: an NVMe tier would never be read
             point = ReplayConfig(frac, tier == "nvme", args.disk_capacity)
             start = len(records)
-            records += run_references(info, point, nxt)
+            records += run_references(info, point, nxt, args.nodes)
             for engine in engines:
                 for policy in policies:
                     cfg = ReplayConfig(frac, tier == "nvme", args.disk_capacity, policy)

@@ -90,3 +90,35 @@ def test_a_cache_that_returns_another_pages_bytes_is_caught():
 
     with pytest.raises(WrongBytes, match="came back holding block"):
         replay(REQS[:2], Liar(), page_bytes=16)
+
+
+def test_the_daemon_replay_places_pages_as_the_simulator_does():
+    """The daemon replay's client placed keys by the daemons' addresses (new ports every run), the
+    simulator by node ids: at small capacities placement alone moved a point by several points
+    between the two columns of one run (a prober). Both place by the node ids now."""
+    from gcache.bench.hitrate import GcachePages
+    from gcache.meta.ring import HashRing, key_hash
+
+    ids = [f"node{i}" for i in range(3)]
+    pages = GcachePages([f"127.0.0.1:{7000 + i}" for i in range(3)], node_ids=ids)  # connects lazily
+    try:
+        blocks = list(range(3000))
+        ring = HashRing({n: 1.0 for n in ids})
+        hashes = np.array([key_hash("hitrate", str(h).encode()) for h in blocks], dtype=np.uint64)
+        assert pages.client.owners([str(h) for h in blocks]) == [ids[i] for i in ring.owner_indices(hashes).tolist()]
+    finally:
+        pages.close()
+
+
+def test_simulated_capacity_is_the_daemons_arena_floors_included():
+    """The daemon run floors a node's RAM at 64 KiB and the simulator did not (separate 0.02 and
+    0.021 rows); the references had no disk floor (one beat the optimum)."""
+    from gcache.bench.hitrate import ReplayConfig, TraceInfo, node_bytes, sim_blocks
+    from gcache.tier.eviction import EvictionKind
+
+    info = TraceInfo(requests=[], ws_blocks=1000, slot_bytes=4096, page_bytes=4096, max_rate=0.0)
+    cfg = ReplayConfig(capacity_fraction=0.02, nvme=True, disk_fraction=0.01, policy=EvictionKind.LRU)
+    ram, disk = node_bytes(info, cfg, 3)
+    assert ram == 64 << 10 and disk == 1 << 20  # both floors apply at this size
+    ram_blocks, disk_blocks, _ = sim_blocks(info, cfg, 3)
+    assert ram_blocks == 3 * 16 and disk_blocks > 3 * 200
