@@ -190,7 +190,8 @@ def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> H
     from gcache.cluster import LocalCluster
 
     per_node, disk_per_node = node_bytes(info, cfg, nodes)
-    label = _label(per_node * nodes, cfg.nvme, cfg.policy.value, "daemon")
+    ram = sim_blocks(info, cfg, nodes)[0] * info.slot_bytes  # the pages the arenas hold (one row with the sim's)
+    label = _label(ram, cfg.nvme, cfg.policy.value, "daemon")
     cluster = LocalCluster(nodes=nodes, mem=str(per_node), disk=str(disk_per_node) if cfg.nvme else None,
                            extra_args=["--eviction", cfg.policy.value])
     cluster.start()
@@ -203,7 +204,7 @@ def run_one(info: TraceInfo, cfg: ReplayConfig, nodes: int, progress: bool) -> H
             cache.close()
     finally:
         cluster.stop()
-    return _record(info, per_node * nodes, disk_per_node * nodes, nodes, acc, time.perf_counter() - t0, label,
+    return _record(info, ram, disk_per_node * nodes, nodes, acc, time.perf_counter() - t0, label,
                    cfg.policy.value, "daemon")
 
 
