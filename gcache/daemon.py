@@ -59,8 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-read-budget", type=argtypes.size, default=None, metavar="SIZE",
                    help="bytes of NVMe hits all requests may hold outside the arena at once (read into buffers "
                         "of their own when the arena has no room to promote them, until their reply is sent); a "
-                        "hit beyond it is answered as a miss (default: a quarter of --mem, at least --max-value, "
-                        "at most --mem)")
+                        "hit beyond it is answered as a miss (default: a quarter of --mem, at least --max-value)")
     p.add_argument("--pool-budget", action="append", default=[], metavar="[NS:]POOL=SIZE|PCT%",
                    help="RAM budget of a tagged pool (e.g. kv=75%%, swa=25%%, mimo:swa=1GiB); repeatable. "
                         "A pool evicts only its own pages; pools without a budget share the arena")

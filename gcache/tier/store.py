@@ -75,8 +75,9 @@ class StoreConfig:
     of the recency buckets that order pooled entries (within one, later chain positions go first).
     eviction: the policy that orders untagged entries and picks what is written to NVMe.
     read_buffer_bytes: bytes of NVMe hits read outside the arena (no room to promote them) that
-    all readers may hold at once; None: a quarter of mem_bytes, at least max_value_bytes, at most
-    mem_bytes (``read_budget``). read_wait_s: how long (all its hits together) a request that
+    all readers may hold at once; None: a quarter of mem_bytes, at least max_value_bytes (a small
+    arena still serves a request of several large values from disk: one get of 64 such values from
+    8 MiB arenas came back with misses under a cap of mem_bytes) (``read_budget``). read_wait_s: how long (all its hits together) a request that
     holds none of that budget waits for room, before such a hit is answered as a miss.
     """
 
@@ -100,7 +101,7 @@ class StoreConfig:
         """The budget of private read buffers (read_buffer_bytes, or its default)."""
         if self.read_buffer_bytes is not None:
             return self.read_buffer_bytes
-        return min(self.mem_bytes, max(self.max_value_bytes, self.mem_bytes // 4))
+        return max(self.max_value_bytes, self.mem_bytes // 4)
 
     def __post_init__(self) -> None:
         if self.mem_bytes < 4096:
