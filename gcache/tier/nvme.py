@@ -7,6 +7,13 @@ buffer and verified.
 Writing a value is three steps so the store can order it against deletes: prepare() reserves
 the record's place (under the store's lock: a tombstone for a later delete therefore always
 lands after the value it hides), write() does the I/O (no lock), publish() indexes it.
+prepare() also writes a dead header over the whole reserved place (a small write, under the
+lock; a sealed segment's file is extended over a place still being written): a process that
+dies before write() leaves a dead record a restart skips, losing that value only, not a hole
+it must take for damage. (A tombstone reserved after it may be complete and acknowledged
+first; a hole then ends before a valid record, and recovery cannot tell it from a lost
+tombstone.) Tombstones need no placeholder: the store writes them under its lock, which every
+reservation takes, so nothing is reserved after a tombstone until it is complete.
 A delete or overwrite of an indexed key appends a tombstone; if even that cannot be written
 (a full disk), the old record is invalidated in place, so a restart cannot bring it back.
 
@@ -217,7 +224,18 @@ class NvmeTier:
             if seg is None:
                 return None
             loc = Location(seg, off, off + total - size, size, 0, expires, seq, meta)
-            return Pending(key, raw, total, seg, off, loc)
+            p = Pending(key, raw, total, seg, off, loc)
+            # A dead record over the whole place until write() fills it: a tombstone reserved
+            # after it may be complete (and acknowledged) first, and a crash in between must
+            # leave a record a restart skips, not a hole it has to take for damage (which
+            # costs every older value). Under the lock: before anything is reserved after it.
+            ok, too_big, full, written = self._pwrite(seg, off, [R.dead_header(total, self.salt)])
+            if not ok:
+                self.write_errors += 1
+                self._roll_back(p, too_big, full, written)
+                self._deref(seg)
+                return None
+            return p
 
     def write(self, p: Pending, value: memoryview) -> bool:
         """Write a prepared value record; False (rolled back) on a disk error."""
@@ -284,7 +302,7 @@ class NvmeTier:
         seg = self.segments[-1] if self.segments else None
         if seg is None or seg.sealed or (seg.size and seg.size + total > self.segment_bytes):
             if seg is not None:
-                seg.sealed = True
+                self._seal(seg)
             seg = self._new_segment()
             if seg is None:
                 return None, 0
@@ -310,20 +328,7 @@ class NvmeTier:
 
     def _write(self, p: Pending, parts: list[Any]) -> bool:
         seg = p.seg
-        too_big = full = False
-        written = -1  # unknown
-        try:
-            written = os.pwritev(seg.fd, parts, p.off)
-            if written != p.total:  # a short write on a regular file: the disk or the file is full
-                too_big = _over_file_limit(p.off + p.total)
-                full = not too_big
-                raise OSError(f"short write ({written} of {p.total} bytes)")
-            ok = True
-        except OSError as exc:
-            ok = False
-            too_big = too_big or exc.errno == errno.EFBIG
-            full = full or exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
+        ok, too_big, full, written = self._pwrite(seg, p.off, parts)
         with self._lock:
             if not ok:
                 self.write_errors += 1
@@ -332,6 +337,25 @@ class NvmeTier:
                 self._hwm.set(seg.seg_id, p.off + p.total)  # before the write is acknowledged
             self._deref(seg)
         return ok
+
+    def _pwrite(self, seg: Segment, off: int, parts: list[Any]) -> tuple[bool, bool, bool, int]:
+        """Write ``parts`` at ``off``: (done, past the file size limit, the filesystem full, bytes
+        written (-1: unknown)); a failure is logged."""
+        total = sum(len(part) for part in parts)
+        too_big = full = False
+        written = -1  # unknown
+        try:
+            written = os.pwritev(seg.fd, parts, off)
+            if written != total:  # a short write on a regular file: the disk or the file is full
+                too_big = _over_file_limit(off + total)
+                full = not too_big
+                raise OSError(f"short write ({written} of {total} bytes)")
+            return True, False, False, written
+        except OSError as exc:
+            too_big = too_big or exc.errno == errno.EFBIG
+            full = full or exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
+            return False, too_big, full, written
 
     def _roll_back(self, p: Pending, too_big: bool, full: bool, written: int) -> None:
         """Lock held: un-count a failed write (``written`` bytes of it reached the file; -1:
@@ -366,9 +390,21 @@ class NvmeTier:
         if gone and seg.sealed:
             self._save_map()  # its recorded size shrank with it
         if too_big and seg.size > 0:
-            seg.sealed = True
+            self._seal(seg)
         elif full:
             self._lower_budget()
+
+    def _seal(self, seg: Segment) -> None:
+        """Lock held: no more appends to ``seg``; the map will record its size. A write still in
+        flight at its end (its dead placeholder in place, see prepare) has not extended the file
+        yet: it is extended now (sparse), so a crash before that write leaves the size recorded,
+        not a sealed segment shorter than recorded (damage, which costs every older value)."""
+        seg.sealed = True
+        try:
+            if os.fstat(seg.fd).st_size < seg.size:
+                os.ftruncate(seg.fd, seg.size)  # (writes only go below seg.size: nothing is cut)
+        except OSError as exc:
+            self._log_error("nvme: cannot extend the sealed segment %s to %d bytes: %s", seg.path, seg.size, exc)
 
     def _lower_budget(self) -> None:
         """Lock held: the filesystem is full: the budget becomes what the tier's files take now

@@ -20,12 +20,13 @@ Record layout (little endian)::
 * ``value_xxh3`` is checked on every read: a torn or rotted value is a miss, never wrong bytes.
 
 Records are self-delimiting, so a scan walks from header to header. A header that fails its
-checks (bit rot, a torn write, a hole left by a write that never happened) does not end the
-scan: it searches forward for the next magic whose header verifies and continues from there,
+checks (bit rot, a torn write, a hole) does not end the scan: it searches forward for the next magic whose header verifies and continues from there,
 and reports where that damage ended (``ScanResult.damaged_to``): a tombstone may have been in
 it, so the caller must not trust any older value (gcache.tier.nvme drops them). A record the
 tier invalidated on purpose (its magic overwritten with DEAD_MAGIC, the rest of its header
-intact: see dead_header()) is skipped as a whole and is not damage.
+intact: see dead_header()) is skipped as a whole and is not damage; so is the dead header the
+tier writes over a value's place when it reserves it, until the value is written (a write in
+flight at a crash, with records after it complete, leaves no hole).
 """
 
 from __future__ import annotations
