@@ -36,6 +36,9 @@ goes to a new one.
 On restart the index is rebuilt by scanning every segment (resynchronising past damage); for
 each key the highest sequence number wins, whatever segment or position it is in.
 
+A start on a full filesystem drops the oldest segments until the tier's own small files fit,
+and with none left runs with the disk tier off (budget 0), rather than refusing to start.
+
 A sealed segment's size is in the segment map, the open one's high-water mark in ``tier.hwm``
 (both gcache.tier.segdir): a restart that finds the open segment's records ending below the mark
 takes it as damage (a tombstone may have been cut off), not as the torn append of a crash.
@@ -52,6 +55,7 @@ import resource
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,14 +143,21 @@ class NvmeTier:
             if hasattr(self, "_lock_fd"):
                 segdir.unlock(self._lock_fd)
             raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
+        # (ring generation, incarnation): what this node last routed by, and as which of its
+        # incarnations, with these segments (the agent's record; None: none)
+        self.recovered_routing: tuple[int, int] | None = None
         try:
-            self._discard_if_unclean()
-            # (ring generation, incarnation): what this node last routed by, and as which of its
-            # incarnations, with these segments (the agent's record; None: none)
-            self.recovered_routing = _read_routing(directory)
-            self._recover()
-            self._hwm.open(self._last_seg_id)  # every recovered segment is sealed, its size in the map
-            _write_state(directory, clean=False)
+            try:
+                self._discard_if_unclean()
+                self.recovered_routing = _read_routing(directory)
+                self._recover()
+                # every recovered segment is sealed, its size in the map
+                self._start_write(lambda: self._hwm.open(self._last_seg_id))
+                self._start_write(lambda: _write_state(directory, clean=False))
+            except _NoRoom as exc:
+                self._turn_off(str(exc))
+            except OSError as exc:
+                raise ConfigError(f"disk directory {directory!r} (--disk) cannot be used: {exc}") from None
         except BaseException:
             self._hwm.close()
             segdir.unlock(self._lock_fd)
@@ -601,12 +612,46 @@ class NvmeTier:
         self._index_recovered(scanned, cut)
         while self.used > self.budget and len(self.segments) > 0:
             self._reclaim(self.segments[0], save=False)
-        segdir.save_map(d, self._segmap())  # recovered segments are sealed: their sizes are known now
+        # The files first (room for the map on a full filesystem): a crash in between finds the
+        # oldest segments missing, and drops only them.
         self.sweep()
+        self._start_write(lambda: segdir.save_map(d, self._segmap()))  # recovered segments are sealed
         if ids:
             log.info("nvme: recovered %d keys from %d segments (%d bytes)%s", len(self.index), len(ids),
                      self.used, f"; every value written before segment {cut[0]}"
                      f"{'' if cut[1] == math.inf else f' offset {int(cut[1])}'} is dropped (damage)" if cut[0] else "")
+
+    def _start_write(self, write: Callable[[], object]) -> None:
+        """At start: write one of the tier's own small files (map, mark, state). On a full
+        filesystem the oldest segment is dropped and its file removed to make room, one at a
+        time, until it fits (a cache may forget; a crash meanwhile finds the oldest segments
+        missing, and drops only them); _NoRoom when none is left."""
+        while True:
+            try:
+                write()
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not self.segments:
+                    raise _NoRoom(str(exc)) from None
+                seg = self.segments[0]
+                log.warning("nvme: the filesystem of %s is full (%s): %s is dropped (%d keys, %d bytes) to make "
+                            "room for the tier's own files", self.directory, exc, os.path.basename(seg.path),
+                            len(seg.keys), seg.size)
+                self._reclaim(seg, save=False)
+                self.sweep()
+
+    def _turn_off(self, why: str) -> None:
+        """At start, with not even room for the tier's own files once every segment is dropped:
+        run without the disk tier (budget 0: nothing is written, so nothing on disk can lie)."""
+        for seg in list(self.segments):
+            self._reclaim(seg, save=False)
+        self.sweep()
+        self.budget = 0
+        log.error("nvme: the filesystem of disk directory %s is full (%s), with no segment left to drop to make "
+                  "room for the tier's own files: the disk tier is off (values are kept in RAM only); free "
+                  "space there, or give another --disk, and restart the daemon", self.directory, why)
 
     def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool,
                       hwm: int = 0) -> tuple[Segment, R.ScanResult, tuple[int, float]]:
@@ -722,9 +767,13 @@ class NvmeTier:
         smap = segdir.load_map(self.directory)
         newest = max([int(SEG_RE.match(n).group(1)) for n in names]  # type: ignore[union-attr]
                      + [smap.newest if smap is not None else 0])
-        segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest))  # every one reclaimed, then removed
-        for n in names:
-            os.unlink(os.path.join(self.directory, n))
+        for n in names:  # (first: room for the map on a full filesystem; this start's state is not
+            os.unlink(os.path.join(self.directory, n))  # written yet, so a crash in between discards again)
+        self._start_write(lambda: segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest)))
+
+
+class _NoRoom(Exception):
+    """No room on the filesystem for the tier's own files, with no segment left to drop."""
 
 
 def _over_file_limit(end: int) -> bool:

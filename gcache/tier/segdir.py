@@ -129,11 +129,15 @@ def write_atomically(directory: str, name: str, text: str, durable: bool = True)
     new); ``durable``: also fsync'd, file and directory, so a power cut keeps it."""
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError:
+        _remove_quietly(tmp)  # (a full filesystem: what it took is given back)
+        raise
     os.replace(tmp, path)
     if not durable:
         return
@@ -142,6 +146,13 @@ def write_atomically(directory: str, name: str, text: str, durable: bool = True)
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class HighWater:
@@ -172,8 +183,12 @@ class HighWater:
         """A fresh mark (segment ``seg_id``, offset 0), written atomically (a crash leaves the old
         file or the new), then mapped."""
         self.seg, self.off = seg_id, 0
-        with open(self.path + ".tmp", "wb") as f:
-            f.write(self._encode(seg_id, 0))
+        try:
+            with open(self.path + ".tmp", "wb") as f:
+                f.write(self._encode(seg_id, 0))
+        except OSError:
+            _remove_quietly(self.path + ".tmp")
+            raise
         os.replace(self.path + ".tmp", self.path)
         fd = os.open(self.path, os.O_RDWR)
         try:

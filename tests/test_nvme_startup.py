@@ -1,0 +1,120 @@
+"""The NVMe tier's start on a directory that is not what it left: a filesystem with no room
+for the tier's own small files, stray or implausible segment ids, records of another format
+version. It starts (a cache may forget) and says what it found; it never serves a value an
+acknowledged delete or overwrite hid."""
+
+import errno
+import logging
+import os
+
+import pytest
+
+from gcache.errors import ConfigError
+from gcache.tier import segdir
+from gcache.tier.nvme import NvmeTier
+from tests.test_nvme_full_disk import readable
+
+KB = 1024
+MB = 1024 * KB
+SEG = 64 * KB
+
+
+def k(i):
+    return ("ns", b"key-%03d" % i)
+
+
+def v(i):
+    return (b"%03d" % i) * (10 * KB // 3)
+
+
+def written(d, n=30):
+    """A closed tier with n 10 KiB values over several segments, k(0) deleted; its segment files."""
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    for i in range(n):
+        assert t.append(k(i), memoryview(v(i)), 0.0)
+    assert t.remove(k(0))
+    t.close()
+    return sorted(n for n in os.listdir(d) if n.startswith("seg-"))
+
+
+class FullFs:
+    """The tier's own files (segment map, high-water mark, state) cannot be written while the
+    directory's segment files take more than ``capacity`` bytes: ENOSPC, as on a filesystem
+    filled to the last byte, where only removing a segment makes room."""
+
+    def __init__(self, directory, capacity, monkeypatch):
+        self.directory, self.capacity, self.failures = directory, capacity, 0
+        real_write, real_open = segdir.write_atomically, segdir.HighWater.open
+        monkeypatch.setattr(segdir, "write_atomically", lambda *a, **kw: self.check() or real_write(*a, **kw))
+        monkeypatch.setattr(segdir.HighWater, "open", lambda hw, *a: self.check() or real_open(hw, *a))
+
+    def taken(self):
+        return sum(os.path.getsize(os.path.join(self.directory, n)) for n in os.listdir(self.directory)
+                   if n.startswith("seg-"))
+
+    def check(self):
+        if self.taken() > self.capacity:
+            self.failures += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_start_on_a_full_filesystem_drops_the_oldest_segments_to_make_room(tmp_path, monkeypatch, caplog):
+    """Test fails before: the start was refused with "[Errno 28] No space left on device",
+    naming nothing (a crash loop)."""
+    d = str(tmp_path / "disk")
+    segs = written(d)
+    assert len(segs) >= 4
+    fs = FullFs(d, sum(os.path.getsize(os.path.join(d, n)) for n in segs[1:]), monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="gcache.tier.nvme"):
+        t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert fs.failures > 0  # it was full
+    assert "full" in caplog.text and segs[0] in caplog.text  # it says what it dropped, and why
+    assert sorted(n for n in os.listdir(d) if n.startswith("seg-")) == segs[1:]  # the oldest only
+    assert readable(t, k(0)) is None  # deleted, stays deleted
+    kept = [i for i in range(30) if readable(t, k(i)) == v(i)]
+    assert kept and kept == list(range(kept[0], 30)) and len(kept) >= 20
+    assert t.budget == 8 * MB
+    t.close()
+    monkeypatch.undo()
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)  # the next start keeps what this one kept
+    assert [i for i in range(30) if readable(t2, k(i)) == v(i)] == kept
+    t2.close()
+
+
+def test_a_start_on_a_full_filesystem_with_nothing_to_drop_runs_without_the_disk_tier(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Nothing of the tier's own can be written, even with every segment dropped: it starts
+    with the disk tier off (every write refused), says so, and works again at the next start
+    with room. Test fails before: the start was refused."""
+    d = str(tmp_path / "disk")
+    written(d)
+    FullFs(d, -1, monkeypatch)  # no room at all
+    with caplog.at_level(logging.ERROR, logger="gcache.tier.nvme"):
+        t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert "disk tier is off" in caplog.text and d in caplog.text and "--disk" in caplog.text
+    assert t.budget == 0 and len(t) == 0
+    assert not t.append(k(99), memoryview(b"x" * 100), 0.0)
+    assert not t.remove(k(1))
+    t.close()
+    monkeypatch.undo()
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert all(readable(t2, k(i)) is None for i in range(30))  # (dropped to make room)
+    assert t2.append(k(99), memoryview(b"x" * 100), 0.0)
+    t2.close()
+    t3 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t3, k(99)) == b"x" * 100
+    t3.close()
+
+
+def test_a_start_that_cannot_write_its_files_for_another_reason_names_the_directory_and_the_flag(tmp_path,
+                                                                                               monkeypatch):
+    d = str(tmp_path / "disk")
+    written(d)
+
+    def eio(*a, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(segdir, "write_atomically", eio)
+    with pytest.raises(ConfigError) as e:
+        NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert d in str(e.value) and "--disk" in str(e.value) and "Input/output error" in str(e.value)
