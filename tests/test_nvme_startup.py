@@ -118,3 +118,100 @@ def test_a_start_that_cannot_write_its_files_for_another_reason_names_the_direct
     with pytest.raises(ConfigError) as e:
         NvmeTier(d, 8 * MB, segment_bytes=SEG)
     assert d in str(e.value) and "--disk" in str(e.value) and "Input/output error" in str(e.value)
+
+
+def segment_names(d):
+    return sorted(n for n in os.listdir(d) if n.startswith("seg-"))
+
+
+@pytest.mark.parametrize("stray", ["empty", "junk", "directory"])
+def test_a_stray_segment_file_above_the_newest_is_set_aside_and_every_restart_keeps_everything(tmp_path, caplog,
+                                                                                               stray):
+    """A seg-*.log with an id above any the tier created is not one of its segments. Test
+    fails before: the first restart took its id for the newest (the map said 900) and the next
+    reported 6..899 missing and dropped every value."""
+    d = str(tmp_path / "disk")
+    segs = written(d)
+    path = os.path.join(d, "seg-00000900.log")
+    if stray == "directory":
+        os.mkdir(path)
+    else:
+        with open(path, "wb") as f:
+            f.write(os.urandom(5000) if stray == "junk" else b"")
+    for restart in range(2):
+        with caplog.at_level(logging.WARNING, logger="gcache.tier.nvme"):
+            t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+        assert all(readable(t, k(i)) == v(i) for i in range(1, 30)), f"restart {restart}"
+        assert readable(t, k(0)) is None
+        assert t.append(("ns", b"r%d" % restart), memoryview(b"x" * 10), 0.0)
+        assert max(s.seg_id for s in t.segments) < 900
+        t.close()
+        assert "seg-00000900.log" not in segment_names(d)
+    assert "seg-00000900.log" in caplog.text and "stray" in caplog.text
+    assert os.path.exists(path + ".stray")  # set aside, for whoever left it there
+    assert segment_names(d)[: len(segs)] == segs
+
+
+def test_a_segment_the_map_missed_but_the_high_water_mark_knows_is_kept(tmp_path):
+    """A segment created while the map could not be written (the mark still names it) is one
+    of the tier's: it is read, not set aside."""
+    d = str(tmp_path / "disk")
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    for i in range(10):
+        assert t.append(k(i), memoryview(v(i)), 0.0)
+    with open(os.path.join(d, segdir.MAP_FILE)) as f:
+        old_map = f.read()
+    newest = t.segments[-1].seg_id
+    while t.segments[-1].seg_id == newest:
+        i += 1
+        assert t.append(k(i), memoryview(v(i)), 0.0)
+    with open(os.path.join(d, segdir.MAP_FILE), "w") as f:
+        f.write(old_map)  # the map from before the newest segment: as if saving it had failed
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)  # (t abandoned: a kill -9)
+    assert all(readable(t2, k(j)) == v(j) for j in range(i + 1))
+    t2.close()
+    t.close()
+
+
+@pytest.mark.parametrize("first_line", ["{floor} {newest_huge}", "{floor} 100000000000000", "-3 {newest}",
+                                        "{newest_plus_two} {newest}", "0 0"])
+def test_an_implausible_segment_map_is_damage_said_so_and_quick(tmp_path, caplog, first_line):
+    """A map whose newest id is far above what the high-water mark names (or beyond what a
+    segment name can hold), or whose floor is not a segment id: nothing is trusted (a segment
+    it claims may have held a tombstone), the log says the map is implausible, the start takes
+    O(files), and the ids go on from the real files. Test fails before: it built a set of every
+    id up to NEWEST (30 s and gigabytes for 50 million; this test uses 3 million), and said
+    millions of segments were "missing"."""
+    d = str(tmp_path / "disk")
+    written(d)
+    p = os.path.join(d, segdir.MAP_FILE)
+    with open(p) as f:
+        lines = f.read().splitlines()
+    floor, newest = map(int, lines[0].split())
+    lines[0] = first_line.format(floor=floor, newest=newest, newest_huge=newest + 3_000_000,
+                                 newest_plus_two=newest + 2)
+    with open(p, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="gcache.tier.nvme"):
+        t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert "implausible" in caplog.text and segdir.MAP_FILE in caplog.text
+    assert len(t) == 0  # nothing trusted
+    assert t.append(k(99), memoryview(b"x" * 10), 0.0)
+    assert t.segments[-1].seg_id <= newest + 2
+    t.close()
+    t2 = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert readable(t2, k(99)) == b"x" * 10 and all(readable(t2, k(i)) is None for i in range(30))
+    t2.close()
+
+
+def test_missing_segments_are_reported_as_ranges(tmp_path, caplog):
+    d = str(tmp_path / "disk")
+    segs = written(d, 40)
+    for n in segs[1:3]:
+        os.unlink(os.path.join(d, n))
+    with caplog.at_level(logging.WARNING, logger="gcache.tier.nvme"):
+        t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert "segments 2..3 of" in caplog.text and "are missing" in caplog.text
+    assert readable(t, k(39)) == v(39)
+    t.close()
+

@@ -576,31 +576,7 @@ class NvmeTier:
         unsealed segment past its high-water mark is a normal crash (an append that never
         completed, so never acknowledged): it is cut off; one that reaches below the mark is damage."""
         d = self.directory
-        ids = sorted(int(m.group(1)) for n in os.listdir(d) if (m := SEG_RE.match(n)))
-        smap = segdir.load_map(d)
-        floor = smap.floor if smap is not None else 1
-        self._last_seg_id = max(ids[-1] if ids else 0, smap.newest if smap is not None else 0)
-        for seg_id in (i for i in ids if i < floor):  # reclaimed, its removal did not happen
-            log.info("nvme: removing %s, a segment reclaimed before the restart", self._seg_path(seg_id))
-            os.unlink(self._seg_path(seg_id))
-        ids = [i for i in ids if i >= floor]
-        cut: tuple[int, float] = (0, 0)  # values before this (segment id, offset) are not trusted
-        if smap is None and ids:
-            log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
-                        d, segdir.MAP_FILE)
-            cut = (ids[-1], math.inf)
-        hwm = self._hwm.load()
-        if hwm is None and ids:
-            log.warning("nvme: %s holds segments but no readable high-water mark (%s): none of them can be trusted",
-                        d, segdir.HWM_FILE)
-            cut = max(cut, (ids[-1], math.inf))
-        hwm_seg, hwm_off = hwm if hwm is not None and hwm[0] >= floor else (0, 0)  # (below: reclaimed)
-        self._last_seg_id = max(self._last_seg_id, hwm_seg)
-        newest = max(smap.newest if smap is not None else 0, hwm_seg)
-        missing = sorted(set(range(floor, newest + 1)) - set(ids)) if smap is not None or hwm_seg else []
-        if missing:
-            log.warning("nvme: segments %s of %s are missing", missing, d)
-            cut = max(cut, (missing[-1], math.inf))
+        ids, smap, hwm_seg, hwm_off, cut = self._survey()
         scanned = []
         for seg_id in ids:
             seg, found, damage = self._scan_segment(seg_id, smap, top=seg_id == ids[-1],
@@ -620,6 +596,63 @@ class NvmeTier:
             log.info("nvme: recovered %d keys from %d segments (%d bytes)%s", len(self.index), len(ids),
                      self.used, f"; every value written before segment {cut[0]}"
                      f"{'' if cut[1] == math.inf else f' offset {int(cut[1])}'} is dropped (damage)" if cut[0] else "")
+
+    def _survey(self) -> tuple[list[int], segdir.SegMap | None, int, int, tuple[int, float]]:
+        """At start, before any segment is read: the ids of the segment files to scan, the
+        segment map (None: none that can be trusted), the high-water mark (segment, offset;
+        (0, 0): none or reclaimed) and what is not trusted because of what is missing. Sets
+        aside what is not a segment of the tier (not a regular file; an id above any it
+        created), removes the files of segments reclaimed before the restart, and sets
+        _last_seg_id."""
+        d = self.directory
+        ids, strays = [], {}  # strays: id -> why it is not a segment of the tier
+        for entry in os.scandir(d):
+            if m := SEG_RE.match(entry.name):
+                if entry.is_file(follow_symlinks=False):
+                    ids.append(int(m.group(1)))
+                else:
+                    strays[int(m.group(1))] = "not a regular file"
+        ids.sort()
+        smap, hwm = segdir.load_map(d), self._hwm.load()
+        cut: tuple[int, float] = (0, 0)  # values before this (segment id, offset) are not trusted
+        if smap is not None and (why := segdir.implausible(smap, hwm[0] if hwm is not None else None)):
+            log.warning("nvme: the segment map %s of %s is implausible (%s): it is not what the tier wrote, so none "
+                        "of its segments can be trusted", segdir.MAP_FILE, d, why)
+            smap, cut = None, (ids[-1], math.inf) if ids else cut
+        elif smap is None and ids:
+            log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
+                        d, segdir.MAP_FILE)
+            cut = (ids[-1], math.inf)
+        if smap is not None and hwm is not None:  # every segment the tier created is at most this
+            top = max(smap.newest, hwm[0])
+            strays.update((i, f"its id is above {top}, the newest the tier created") for i in ids if i > top)
+            ids = [i for i in ids if i <= top]
+        for seg_id, why in sorted(strays.items()):
+            path = self._seg_path(seg_id)
+            log.warning("nvme: %s is not a segment of this tier (%s): set aside as %s", path, why,
+                        segdir.set_aside(path))
+        floor = smap.floor if smap is not None else 1
+        for seg_id in (i for i in ids if i < floor):  # reclaimed, its removal did not happen
+            log.info("nvme: removing %s, a segment reclaimed before the restart", self._seg_path(seg_id))
+            try:
+                os.unlink(self._seg_path(seg_id))
+            except OSError as exc:
+                log.error("nvme: cannot remove %s (never read again: it is below the floor): %s",
+                          self._seg_path(seg_id), exc)
+        ids = [i for i in ids if i >= floor]
+        if hwm is None and ids:
+            log.warning("nvme: %s holds segments but no readable high-water mark (%s): none of them can be trusted",
+                        d, segdir.HWM_FILE)
+            cut = max(cut, (ids[-1], math.inf))
+        hwm_seg, hwm_off = hwm if hwm is not None and hwm[0] >= floor else (0, 0)  # (below: reclaimed)
+        self._last_seg_id = max(ids[-1] if ids else 0, smap.newest if smap is not None else 0, hwm_seg)
+        newest = max(smap.newest if smap is not None else 0, hwm_seg)
+        gaps = segdir.missing(floor, newest, ids) if smap is not None or hwm_seg else []
+        if gaps:
+            log.warning("nvme: segments %s of %s are missing (%d of the %d ids from %d to %d)", segdir.describe(gaps),
+                        d, sum(b - a + 1 for a, b in gaps), newest - floor + 1, floor, newest)
+            cut = max(cut, (gaps[-1][1], math.inf))
+        return ids, smap, hwm_seg, hwm_off, cut
 
     def _start_write(self, write: Callable[[], object]) -> None:
         """At start: write one of the tier's own small files (map, mark, state). On a full

@@ -115,6 +115,63 @@ def load_map(directory: str) -> SegMap | None:
     return SegMap(floor, newest, sizes)
 
 
+MAX_SEG_ID = 99_999_999  # seg-NNNNNNNN.log
+
+
+def implausible(smap: SegMap, hwm_seg: int | None) -> str | None:
+    """Why ``smap`` cannot be a map the tier wrote (None: it can be). ``hwm_seg``: the segment
+    tier.hwm names (None: unknown); the map is saved before a new segment's mark is set, so its
+    newest id is at most one above it."""
+    floor, newest = smap.floor, smap.newest
+    if not 1 <= floor <= newest + 1:
+        return f"its floor {floor} is not between 1 and its newest id {newest} + 1"
+    if newest > MAX_SEG_ID:
+        return f"its newest id {newest} is beyond what a segment file name holds"
+    if hwm_seg is not None and newest > hwm_seg + 1:
+        return f"its newest id {newest} is far above segment {hwm_seg}, the newest {HWM_FILE} names"
+    bad = sorted(i for i, n in smap.sizes.items() if not floor <= i <= newest or n < 0)
+    if bad:
+        return f"it records a size for segment {bad[0]}, outside {floor}..{newest} or below 0"
+    return None
+
+
+def missing(floor: int, newest: int, ids: list[int]) -> list[tuple[int, int]]:
+    """The ranges (first, last) of ids from ``floor`` to ``newest`` that are not in ``ids``
+    (sorted): O(len(ids)), however far apart floor and newest are."""
+    gaps = []
+    prev = floor - 1
+    for i in ids:
+        if i > newest:
+            break
+        if i > prev + 1:
+            gaps.append((prev + 1, i - 1))
+        prev = max(prev, i)
+    if newest > prev:
+        gaps.append((prev + 1, newest))
+    return gaps
+
+
+def describe(ranges: list[tuple[int, int]], most: int = 5) -> str:
+    """``[(2, 3), (7, 7)]`` -> ``"2..3, 7"`` (the first ``most`` ranges, then how many more)."""
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in ranges[:most])
+    return text + (f" and {len(ranges) - most} more ranges" if len(ranges) > most else "")
+
+
+def set_aside(path: str) -> str | None:
+    """Rename ``path`` (not one of the tier's files) to ``path.stray`` (or ``.strayN``), out of
+    the way of the tier but kept for whoever put it there; the new path, None if it failed."""
+    dest, n = path + ".stray", 0
+    while os.path.lexists(dest):
+        n += 1
+        dest = f"{path}.stray{n}"
+    try:
+        os.rename(path, dest)
+    except OSError as exc:
+        log.error("nvme: cannot set %s aside: %s", path, exc)
+        return None
+    return dest
+
+
 def _pair(line: str) -> tuple[int, int]:
     a, b = line.split()  # ValueError unless two fields
     return int(a), int(b)
