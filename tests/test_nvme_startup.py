@@ -215,3 +215,35 @@ def test_missing_segments_are_reported_as_ranges(tmp_path, caplog):
     assert readable(t, k(39)) == v(39)
     t.close()
 
+
+def test_records_of_another_format_version_are_reported_as_such(tmp_path, caplog):
+    """Records that verify but carry another format version byte (an upgrade or a downgrade):
+    dropped, as damage is (this build cannot read them), and the log says which version was
+    found and which this build reads. Test fails before: it said "damaged bytes"."""
+    import xxhash
+
+    from gcache.tier import records as R
+
+    d = str(tmp_path / "disk")
+    segs = written(d)
+    t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    salt = t.salt
+    t.close()
+    for name in segs[:2]:  # the two oldest segments, as a version-3 build would have written them
+        fd = os.open(os.path.join(d, name), os.O_RDWR)
+        try:
+            for rec in R.scan(fd, os.fstat(fd).st_size, salt).records:
+                hdr = bytearray(os.pread(fd, rec.value_off - rec.off, rec.off))
+                hdr[4] = 3
+                chk = xxhash.xxh3_64_intdigest(bytes(hdr[: R.REC.size]) + bytes(hdr[R.FIXED:]), seed=salt)
+                hdr[R.REC.size: R.FIXED] = R.HCHK.pack(chk)
+                os.pwrite(fd, bytes(hdr), rec.off)
+        finally:
+            os.close(fd)
+    with caplog.at_level(logging.WARNING, logger="gcache.tier.nvme"):
+        t = NvmeTier(d, 8 * MB, segment_bytes=SEG)
+    assert "format version 3" in caplog.text and f"version {R.REC_VERSION}" in caplog.text
+    assert "damaged" not in caplog.text
+    assert readable(t, k(29)) == v(29)  # the newer segments are this version's
+    assert readable(t, k(1)) is None
+    t.close()

@@ -699,9 +699,15 @@ class NvmeTier:
         found = R.scan(fd, file_size, self.salt)
         recorded = smap.sizes.get(seg_id) if smap is not None else None
         damage: tuple[int, float] = (0, 0)
-        if found.damaged_to:
+        if found.versions:
+            log.warning("nvme: %s: %d records of format version %s, not version %d, the one this build reads and "
+                        "writes: written by another gcache version (an upgrade or a downgrade?); they cannot be "
+                        "read, so they and every value written before them are dropped", path,
+                        sum(found.versions.values()), "/".join(map(str, sorted(found.versions))), R.REC_VERSION)
+        if found.skipped:
             log.warning("nvme: %s: %d damaged bytes resynchronised past, up to offset %d", path, found.skipped,
                         found.damaged_to)
+        if found.damaged_to:
             damage = (seg_id, found.damaged_to)
         if recorded is not None and recorded != file_size:
             log.warning("nvme: %s is %d bytes; it was sealed at %d", path, file_size, recorded)

@@ -231,6 +231,9 @@ class HighWater:
             return None
         if len(data) != HWM.size:
             return None
+        if data[:3] == HWM_MAGIC[:3] and data[:4] != HWM_MAGIC:
+            log.warning("nvme: %s is of format %r, not %r as this build writes: written by another gcache version "
+                        "(an upgrade or a downgrade?)", self.path, data[:4], HWM_MAGIC)
         _, seg_id, off, _ = HWM.unpack(data)
         if data != self._encode(seg_id, off):  # the magic, the padding and the checksum
             return None
