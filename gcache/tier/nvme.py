@@ -7,13 +7,14 @@ buffer and verified.
 Writing a value is three steps so the store can order it against deletes: prepare() reserves
 the record's place (under the store's lock: a tombstone for a later delete therefore always
 lands after the value it hides), write() does the I/O (no lock), publish() indexes it.
-prepare() also writes a dead header over the whole reserved place (a small write, under the
-lock; a sealed segment's file is extended over a place still being written): a process that
-dies before write() leaves a dead record a restart skips, losing that value only, not a hole
-it must take for damage. (A tombstone reserved after it may be complete and acknowledged
-first; a hole then ends before a valid record, and recovery cannot tell it from a lost
-tombstone.) Tombstones need no placeholder: the store writes them under its lock, which every
-reservation takes, so nothing is reserved after a tombstone until it is complete.
+Until a value's write completes its place is recorded in ``tier.inflight`` (segdir.InFlight,
+a mapped file: a memory store under the lock, no system call), and a restart skips it whole: a
+process that dies before write() loses that value only. (A tombstone reserved after it may be
+complete and acknowledged first; the unwritten place would otherwise be a hole before a valid
+record, which recovery cannot tell from a lost tombstone.) A segment sealed while a write at its
+end is in flight has its file extended to the size the map records. Tombstones are not
+recorded: the store writes them under its lock, which every reservation takes, so nothing is
+reserved after a tombstone until it is complete (one cut short is a torn tail).
 A delete or overwrite of an indexed key appends a tombstone; if even that cannot be written
 (a full disk), the old record is invalidated in place, so a restart cannot bring it back.
 
@@ -106,10 +107,11 @@ class Location:
 class Pending:
     """A record whose place is reserved (prepare) and not yet written (write) or indexed."""
 
-    __slots__ = ("key", "loc", "off", "raw", "seg", "total")
+    __slots__ = ("key", "loc", "off", "raw", "seg", "slot", "total")
 
     def __init__(self, key: Key, raw: bytes, total: int, seg: Segment, off: int, loc: Location | None) -> None:
         self.key, self.raw, self.total, self.seg, self.off, self.loc = key, raw, total, seg, off, loc
+        self.slot = -1  # its entry in tier.inflight (segdir.InFlight; -1: none)
 
 
 class NvmeTier:
@@ -139,6 +141,7 @@ class NvmeTier:
             self._lock_fd = segdir.lock(directory)  # before anything in it is read or changed
             self.salt = _load_salt(directory)
             self._hwm = segdir.HighWater(directory, self.salt)
+            self._inflight = segdir.InFlight(directory, self.salt)
         except OSError as exc:
             if hasattr(self, "_lock_fd"):
                 segdir.unlock(self._lock_fd)
@@ -153,6 +156,7 @@ class NvmeTier:
                 self._recover()
                 # every recovered segment is sealed, its size in the map
                 self._start_write(lambda: self._hwm.open(self._last_seg_id))
+                self._start_write(self._inflight.open)  # (what it said was used by the recovery)
                 self._start_write(lambda: _write_state(directory, clean=False))
             except _NoRoom as exc:
                 self._turn_off(str(exc))
@@ -160,6 +164,7 @@ class NvmeTier:
                 raise ConfigError(f"disk directory {directory!r} (--disk) cannot be used: {exc}") from None
         except BaseException:
             self._hwm.close()
+            self._inflight.close()
             segdir.unlock(self._lock_fd)
             raise
 
@@ -236,16 +241,10 @@ class NvmeTier:
                 return None
             loc = Location(seg, off, off + total - size, size, 0, expires, seq, meta)
             p = Pending(key, raw, total, seg, off, loc)
-            # A dead record over the whole place until write() fills it: a tombstone reserved
-            # after it may be complete (and acknowledged) first, and a crash in between must
-            # leave a record a restart skips, not a hole it has to take for damage (which
-            # costs every older value). Under the lock: before anything is reserved after it.
-            ok, too_big, full, written = self._pwrite(seg, off, [R.dead_header(total, self.salt)])
-            if not ok:
-                self.write_errors += 1
-                self._roll_back(p, too_big, full, written)
-                self._deref(seg)
-                return None
+            # Recorded until written: a tombstone reserved after it may be complete (and
+            # acknowledged) first, and a crash in between must leave a place a restart skips,
+            # not a hole it has to take for damage (which costs every older value).
+            p.slot = self._inflight.add(seg.seg_id, off, total)
             return p
 
     def write(self, p: Pending, value: memoryview) -> bool:
@@ -339,34 +338,29 @@ class NvmeTier:
 
     def _write(self, p: Pending, parts: list[Any]) -> bool:
         seg = p.seg
-        ok, too_big, full, written = self._pwrite(seg, p.off, parts)
+        too_big = full = False
+        written = -1  # unknown
+        try:
+            written = os.pwritev(seg.fd, parts, p.off)
+            if written != p.total:  # a short write on a regular file: the disk or the file is full
+                too_big = _over_file_limit(p.off + p.total)
+                full = not too_big
+                raise OSError(f"short write ({written} of {p.total} bytes)")
+            ok = True
+        except OSError as exc:
+            ok = False
+            too_big = too_big or exc.errno == errno.EFBIG
+            full = full or exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
         with self._lock:
             if not ok:
                 self.write_errors += 1
                 self._roll_back(p, too_big, full, written)
             elif seg.seg_id == self._hwm.seg and p.off + p.total > self._hwm.off:
                 self._hwm.set(seg.seg_id, p.off + p.total)  # before the write is acknowledged
+            self._inflight.remove(p.slot)  # (after the roll back: its dead header is written)
             self._deref(seg)
         return ok
-
-    def _pwrite(self, seg: Segment, off: int, parts: list[Any]) -> tuple[bool, bool, bool, int]:
-        """Write ``parts`` at ``off``: (done, past the file size limit, the filesystem full, bytes
-        written (-1: unknown)); a failure is logged."""
-        total = sum(len(part) for part in parts)
-        too_big = full = False
-        written = -1  # unknown
-        try:
-            written = os.pwritev(seg.fd, parts, off)
-            if written != total:  # a short write on a regular file: the disk or the file is full
-                too_big = _over_file_limit(off + total)
-                full = not too_big
-                raise OSError(f"short write ({written} of {total} bytes)")
-            return True, False, False, written
-        except OSError as exc:
-            too_big = too_big or exc.errno == errno.EFBIG
-            full = full or exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._log_error("nvme write to %s failed (%s); not stored", seg.path, exc)
-            return False, too_big, full, written
 
     def _roll_back(self, p: Pending, too_big: bool, full: bool, written: int) -> None:
         """Lock held: un-count a failed write (``written`` bytes of it reached the file; -1:
@@ -407,8 +401,8 @@ class NvmeTier:
 
     def _seal(self, seg: Segment) -> None:
         """Lock held: no more appends to ``seg``; the map will record its size. A write still in
-        flight at its end (its dead placeholder in place, see prepare) has not extended the file
-        yet: it is extended now (sparse), so a crash before that write leaves the size recorded,
+        flight at its end (see prepare) has not extended the file yet: it is extended now
+        (sparse; rare: once per segment), so a crash before that write leaves the size recorded,
         not a sealed segment shorter than recorded (damage, which costs every older value)."""
         seg.sealed = True
         try:
@@ -577,10 +571,14 @@ class NvmeTier:
         completed, so never acknowledged): it is cut off; one that reaches below the mark is damage."""
         d = self.directory
         ids, smap, hwm_seg, hwm_off, cut = self._survey()
+        inflight: dict[int, dict[int, int]] = {}  # segment id -> {offset: end} of writes in flight at a crash
+        for seg_id, off, n in self._inflight.load():
+            inflight.setdefault(seg_id, {})[off] = off + n
         scanned = []
         for seg_id in ids:
             seg, found, damage = self._scan_segment(seg_id, smap, top=seg_id == ids[-1],
-                                                    hwm=hwm_off if seg_id == hwm_seg else 0)
+                                                    hwm=hwm_off if seg_id == hwm_seg else 0,
+                                                    inflight=inflight.get(seg_id))
             scanned.append((seg, found))
             cut = max(cut, damage)
         for seg in [s for s in self.segments if (s.seg_id, math.inf) <= cut]:
@@ -686,19 +684,30 @@ class NvmeTier:
                   "room for the tier's own files: the disk tier is off (values are kept in RAM only); free "
                   "space there, or give another --disk, and restart the daemon", self.directory, why)
 
-    def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool,
-                      hwm: int = 0) -> tuple[Segment, R.ScanResult, tuple[int, float]]:
+    def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool, hwm: int = 0,
+                      inflight: dict[int, int] | None = None) -> tuple[Segment, R.ScanResult, tuple[int, float]]:
         """Open and scan one segment at start: the segment (sealed, in self.segments), what the
         scan found, and where damage in it ends ((0, 0): none). ``hwm``: where its acknowledged
-        records end, as tier.hwm says (0: nothing known)."""
+        records end, as tier.hwm says (0: nothing known); ``inflight``: the places of value
+        writes that had not completed (tier.inflight), skipped whole."""
         path = self._seg_path(seg_id)
         fd = os.open(path, os.O_RDWR)
         seg = Segment(seg_id, path, fd, sealed=True)
         self.segments.append(seg)
         file_size = os.fstat(fd).st_size
-        found = R.scan(fd, file_size, self.salt)
-        recorded = smap.sizes.get(seg_id) if smap is not None else None
+        found = R.scan(fd, file_size, self.salt, inflight)
         damage: tuple[int, float] = (0, 0)
+        for off, end in found.inflight:  # kept dead for the next restarts (the table is emptied)
+            try:
+                os.pwrite(fd, R.dead_header(end - off, self.salt), off)
+            except OSError as exc:
+                log.warning("nvme: %s: cannot invalidate the place of a write in flight at the crash (%s): damage",
+                            path, exc)
+                damage = max(damage, (seg_id, end))
+        if found.inflight:
+            log.info("nvme: %s: %d value writes in flight at the crash skipped (never acknowledged)", path,
+                     len(found.inflight))
+        recorded = smap.sizes.get(seg_id) if smap is not None else None
         if found.versions:
             log.warning("nvme: %s: %d records of format version %s, not version %d, the one this build reads and "
                         "writes: written by another gcache version (an upgrade or a downgrade?); they cannot be "
@@ -708,7 +717,7 @@ class NvmeTier:
             log.warning("nvme: %s: %d damaged bytes resynchronised past, up to offset %d", path, found.skipped,
                         found.damaged_to)
         if found.damaged_to:
-            damage = (seg_id, found.damaged_to)
+            damage = max(damage, (seg_id, found.damaged_to))
         if recorded is not None and recorded != file_size:
             log.warning("nvme: %s is %d bytes; it was sealed at %d", path, file_size, recorded)
             damage = (seg_id, math.inf)
@@ -779,6 +788,7 @@ class NvmeTier:
                     log.error("nvme: cannot sync %s: %s", seg.path, exc)
             synced = self._save_map(durable=True) and synced  # the sealed sizes as they are now
             synced = self._hwm.close(sync=True) and synced  # the open segment's
+            self._inflight.close()
             for seg in self.segments:
                 seg.doomed = True
                 if seg.refs == 0:

@@ -27,9 +27,9 @@ older value (gcache.tier.nvme drops them). A record whose header verifies but ca
 format version byte (written by another gcache version) is skipped whole and reported apart
 (``ScanResult.versions``); it cannot be read here, so it counts as damage too (it may be a
 tombstone). A record the tier invalidated on purpose (its magic overwritten with DEAD_MAGIC,
-the rest of its header intact: see dead_header()) is skipped as a whole and is not damage; nor
-is the dead header the tier writes over a value's place when it reserves it, until the value
-is written (a write in flight at a crash, with records after it complete, leaves no hole).
+the rest of its header intact: see dead_header()) is skipped as a whole and is not damage; so
+is the place of a value write still in flight at a crash (the caller passes those places, from
+gcache.tier.segdir.InFlight: with records after it complete, it would otherwise be a hole).
 """
 
 from __future__ import annotations
@@ -160,15 +160,24 @@ class ScanResult:
     damaged_to: int  # where the last damage (or record of another version) ends (0: none); a tail is not counted
     dead: int  # records invalidated on purpose, skipped whole
     versions: dict[int, int] = field(default_factory=dict)  # other format versions found: version -> records
+    inflight: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of writes in flight, skipped
 
 
-def scan(fd: int, size: int, salt: int) -> ScanResult:
-    """Every verifiable record of a segment file of ``size`` bytes, in file order."""
+def scan(fd: int, size: int, salt: int, inflight: dict[int, int] | None = None) -> ScanResult:
+    """Every verifiable record of a segment file of ``size`` bytes, in file order. ``inflight``:
+    {offset: end} of value writes that had not completed: skipped whole, whatever they hold."""
     out: list[Rec] = []
     versions: dict[int, int] = {}
     hdr = bytearray(FIXED)
+    skipped_inflight: list[tuple[int, int]] = []
     off = end = skipped = damaged_to = dead = 0
     while off + FIXED <= size:
+        if inflight and off in inflight:
+            if inflight[off] > size:
+                break  # (the last place, never written: a torn tail)
+            skipped_inflight.append((off, inflight[off]))
+            off = end = inflight[off]
+            continue
         rec = _parse(fd, off, size, salt, hdr)
         if isinstance(rec, Rec):
             out.append(rec)
@@ -189,4 +198,4 @@ def scan(fd: int, size: int, salt: int) -> ScanResult:
             break
         skipped += nxt - off
         off = damaged_to = nxt
-    return ScanResult(out, end, skipped, damaged_to, dead, versions)
+    return ScanResult(out, end, skipped, damaged_to, dead, versions, skipped_inflight)

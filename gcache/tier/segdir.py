@@ -1,6 +1,6 @@
 """The NVMe tier directory's own files: the lock that keeps a second daemon out, the segment
-map that lets a restart notice a segment that is missing, truncated or already reclaimed, and
-the open segment's high-water mark.
+map that lets a restart notice a segment that is missing, truncated or already reclaimed, the
+open segment's high-water mark, and the places of writes in flight.
 
 The lock: an exclusive ``flock`` on the directory itself, held while the tier is open. A
 second process (another daemon) is refused; the kernel drops the lock when its holder dies
@@ -26,6 +26,9 @@ map; the open one's is not, so this small file, mapped into memory, is updated w
 store after each append and before it is acknowledged (no system call: a process crash keeps the
 page cache). A restart that finds the open segment's records ending below the mark takes it as
 damage (a tombstone may have been cut off), not as the torn append of a crash.
+
+``tier.inflight``: the places of value records reserved and not yet written (InFlight), mapped
+and updated the same way; a restart skips them whole (see gcache.tier.nvme).
 """
 
 from __future__ import annotations
@@ -280,3 +283,77 @@ class HighWater:
     def _encode(self, seg_id: int, off: int) -> bytes:
         chk = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seg_id, off), seed=self.salt)
         return HWM.pack(HWM_MAGIC, seg_id, off, chk)
+
+
+INFLIGHT_FILE = "tier.inflight"
+SLOT = struct.Struct("<QQQQ")  # segment id, offset, length, xxh3 of the rest (seeded with the salt)
+SLOTS = 64
+
+
+class InFlight:
+    """tier.inflight, mapped: the places of value records reserved and not yet written (at most
+    SLOTS at once; the store has one writer). Set and cleared with plain memory stores under the
+    tier's lock (no system call); a process crash keeps the page. A restart skips these places
+    whole, whatever they hold: the write never completed, was never acknowledged, and is not a
+    hole of damage to take for a lost tombstone."""
+
+    def __init__(self, directory: str, salt: int) -> None:
+        self.path = os.path.join(directory, INFLIGHT_FILE)
+        self.salt = salt
+        self._mm: mmap.mmap | None = None
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    def load(self) -> list[tuple[int, int, int]]:
+        """The places the file records (segment id, offset, length); none if it is missing."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(SLOT.size * SLOTS)
+        except OSError:
+            return []
+        out = []
+        for at in range(0, len(data) - SLOT.size + 1, SLOT.size):
+            seg_id, off, n, _ = SLOT.unpack_from(data, at)
+            if n and data[at: at + SLOT.size] == self._encode(seg_id, off, n):
+                out.append((seg_id, off, n))
+        return out
+
+    def open(self) -> None:
+        """An empty table, written atomically, then mapped."""
+        tmp = self.path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(bytes(SLOT.size * SLOTS))
+        except OSError:
+            _remove_quietly(tmp)
+            raise
+        os.replace(tmp, self.path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, SLOT.size * SLOTS)
+        finally:
+            os.close(fd)
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    def add(self, seg_id: int, off: int, n: int) -> int:
+        """The caller's lock held: record a place; its slot (-1: none free, or not open)."""
+        if self._mm is None or not self._free:
+            return -1
+        slot = self._free.pop()
+        self._mm[slot * SLOT.size: (slot + 1) * SLOT.size] = self._encode(seg_id, off, n)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """The caller's lock held: the place's write completed (or was rolled back)."""
+        if slot < 0 or self._mm is None:
+            return
+        self._mm[slot * SLOT.size: (slot + 1) * SLOT.size] = bytes(SLOT.size)
+        self._free.append(slot)
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+
+    def _encode(self, seg_id: int, off: int, n: int) -> bytes:
+        chk = xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seg_id, off, n), seed=self.salt)
+        return SLOT.pack(seg_id, off, n, chk)
