@@ -7,6 +7,14 @@ buffer and verified.
 Writing a value is three steps so the store can order it against deletes: prepare() reserves
 the record's place (under the store's lock: a tombstone for a later delete therefore always
 lands after the value it hides), write() does the I/O (no lock), publish() indexes it.
+Until a value's write completes its place is recorded in ``tier.inflight`` (segdir.InFlight,
+a mapped file: a memory store under the lock, no system call), and a restart skips it whole: a
+process that dies before write() loses that value only. (A tombstone reserved after it may be
+complete and acknowledged first; the unwritten place would otherwise be a hole before a valid
+record, which recovery cannot tell from a lost tombstone.) A segment sealed while a write at its
+end is in flight has its file extended to the size the map records. Tombstones are not
+recorded: the store writes them under its lock, which every reservation takes, so nothing is
+reserved after a tombstone until it is complete (one cut short is a torn tail).
 A delete or overwrite of an indexed key appends a tombstone; if even that cannot be written
 (a full disk), the old record is invalidated in place, so a restart cannot bring it back.
 
@@ -29,6 +37,9 @@ goes to a new one.
 On restart the index is rebuilt by scanning every segment (resynchronising past damage); for
 each key the highest sequence number wins, whatever segment or position it is in.
 
+A start on a full filesystem drops the oldest segments until the tier's own small files fit,
+and with none left runs with the disk tier off (budget 0), rather than refusing to start.
+
 A sealed segment's size is in the segment map, the open one's high-water mark in ``tier.hwm``
 (both gcache.tier.segdir): a restart that finds the open segment's records ending below the mark
 takes it as damage (a tombstone may have been cut off), not as the torn append of a crash.
@@ -45,6 +56,7 @@ import resource
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,10 +107,11 @@ class Location:
 class Pending:
     """A record whose place is reserved (prepare) and not yet written (write) or indexed."""
 
-    __slots__ = ("key", "loc", "off", "raw", "seg", "total")
+    __slots__ = ("key", "loc", "off", "raw", "seg", "slot", "total")
 
     def __init__(self, key: Key, raw: bytes, total: int, seg: Segment, off: int, loc: Location | None) -> None:
         self.key, self.raw, self.total, self.seg, self.off, self.loc = key, raw, total, seg, off, loc
+        self.slot = -1  # its entry in tier.inflight (segdir.InFlight; -1: none)
 
 
 class NvmeTier:
@@ -128,20 +141,30 @@ class NvmeTier:
             self._lock_fd = segdir.lock(directory)  # before anything in it is read or changed
             self.salt = _load_salt(directory)
             self._hwm = segdir.HighWater(directory, self.salt)
+            self._inflight = segdir.InFlight(directory, self.salt)
         except OSError as exc:
             if hasattr(self, "_lock_fd"):
                 segdir.unlock(self._lock_fd)
             raise ConfigError(f"disk directory {directory!r} is not writable: {exc}") from None
+        # (ring generation, incarnation): what this node last routed by, and as which of its
+        # incarnations, with these segments (the agent's record; None: none)
+        self.recovered_routing: tuple[int, int] | None = None
         try:
-            self._discard_if_unclean()
-            # (ring generation, incarnation): what this node last routed by, and as which of its
-            # incarnations, with these segments (the agent's record; None: none)
-            self.recovered_routing = _read_routing(directory)
-            self._recover()
-            self._hwm.open(self._last_seg_id)  # every recovered segment is sealed, its size in the map
-            _write_state(directory, clean=False)
+            try:
+                self._discard_if_unclean()
+                self.recovered_routing = _read_routing(directory)
+                self._recover()
+                # every recovered segment is sealed, its size in the map
+                self._start_write(lambda: self._hwm.open(self._last_seg_id))
+                self._start_write(self._inflight.open)  # (what it said was used by the recovery)
+                self._start_write(lambda: _write_state(directory, clean=False))
+            except _NoRoom as exc:
+                self._turn_off(str(exc))
+            except OSError as exc:
+                raise ConfigError(f"disk directory {directory!r} (--disk) cannot be used: {exc}") from None
         except BaseException:
             self._hwm.close()
+            self._inflight.close()
             segdir.unlock(self._lock_fd)
             raise
 
@@ -217,7 +240,12 @@ class NvmeTier:
             if seg is None:
                 return None
             loc = Location(seg, off, off + total - size, size, 0, expires, seq, meta)
-            return Pending(key, raw, total, seg, off, loc)
+            p = Pending(key, raw, total, seg, off, loc)
+            # Recorded until written: a tombstone reserved after it may be complete (and
+            # acknowledged) first, and a crash in between must leave a place a restart skips,
+            # not a hole it has to take for damage (which costs every older value).
+            p.slot = self._inflight.add(seg.seg_id, off, total)
+            return p
 
     def write(self, p: Pending, value: memoryview) -> bool:
         """Write a prepared value record; False (rolled back) on a disk error."""
@@ -284,7 +312,7 @@ class NvmeTier:
         seg = self.segments[-1] if self.segments else None
         if seg is None or seg.sealed or (seg.size and seg.size + total > self.segment_bytes):
             if seg is not None:
-                seg.sealed = True
+                self._seal(seg)
             seg = self._new_segment()
             if seg is None:
                 return None, 0
@@ -330,6 +358,7 @@ class NvmeTier:
                 self._roll_back(p, too_big, full, written)
             elif seg.seg_id == self._hwm.seg and p.off + p.total > self._hwm.off:
                 self._hwm.set(seg.seg_id, p.off + p.total)  # before the write is acknowledged
+            self._inflight.remove(p.slot)  # (after the roll back: its dead header is written)
             self._deref(seg)
         return ok
 
@@ -366,9 +395,21 @@ class NvmeTier:
         if gone and seg.sealed:
             self._save_map()  # its recorded size shrank with it
         if too_big and seg.size > 0:
-            seg.sealed = True
+            self._seal(seg)
         elif full:
             self._lower_budget()
+
+    def _seal(self, seg: Segment) -> None:
+        """Lock held: no more appends to ``seg``; the map will record its size. A write still in
+        flight at its end (see prepare) has not extended the file yet: it is extended now
+        (sparse; rare: once per segment), so a crash before that write leaves the size recorded,
+        not a sealed segment shorter than recorded (damage, which costs every older value)."""
+        seg.sealed = True
+        try:
+            if os.fstat(seg.fd).st_size < seg.size:
+                os.ftruncate(seg.fd, seg.size)  # (writes only go below seg.size: nothing is cut)
+        except OSError as exc:
+            self._log_error("nvme: cannot extend the sealed segment %s to %d bytes: %s", seg.path, seg.size, exc)
 
     def _lower_budget(self) -> None:
         """Lock held: the filesystem is full: the budget becomes what the tier's files take now
@@ -529,35 +570,15 @@ class NvmeTier:
         unsealed segment past its high-water mark is a normal crash (an append that never
         completed, so never acknowledged): it is cut off; one that reaches below the mark is damage."""
         d = self.directory
-        ids = sorted(int(m.group(1)) for n in os.listdir(d) if (m := SEG_RE.match(n)))
-        smap = segdir.load_map(d)
-        floor = smap.floor if smap is not None else 1
-        self._last_seg_id = max(ids[-1] if ids else 0, smap.newest if smap is not None else 0)
-        for seg_id in (i for i in ids if i < floor):  # reclaimed, its removal did not happen
-            log.info("nvme: removing %s, a segment reclaimed before the restart", self._seg_path(seg_id))
-            os.unlink(self._seg_path(seg_id))
-        ids = [i for i in ids if i >= floor]
-        cut: tuple[int, float] = (0, 0)  # values before this (segment id, offset) are not trusted
-        if smap is None and ids:
-            log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
-                        d, segdir.MAP_FILE)
-            cut = (ids[-1], math.inf)
-        hwm = self._hwm.load()
-        if hwm is None and ids:
-            log.warning("nvme: %s holds segments but no readable high-water mark (%s): none of them can be trusted",
-                        d, segdir.HWM_FILE)
-            cut = max(cut, (ids[-1], math.inf))
-        hwm_seg, hwm_off = hwm if hwm is not None and hwm[0] >= floor else (0, 0)  # (below: reclaimed)
-        self._last_seg_id = max(self._last_seg_id, hwm_seg)
-        newest = max(smap.newest if smap is not None else 0, hwm_seg)
-        missing = sorted(set(range(floor, newest + 1)) - set(ids)) if smap is not None or hwm_seg else []
-        if missing:
-            log.warning("nvme: segments %s of %s are missing", missing, d)
-            cut = max(cut, (missing[-1], math.inf))
+        ids, smap, hwm_seg, hwm_off, cut = self._survey()
+        inflight: dict[int, dict[int, int]] = {}  # segment id -> {offset: end} of writes in flight at a crash
+        for seg_id, off, n in self._inflight.load():
+            inflight.setdefault(seg_id, {})[off] = off + n
         scanned = []
         for seg_id in ids:
             seg, found, damage = self._scan_segment(seg_id, smap, top=seg_id == ids[-1],
-                                                    hwm=hwm_off if seg_id == hwm_seg else 0)
+                                                    hwm=hwm_off if seg_id == hwm_seg else 0,
+                                                    inflight=inflight.get(seg_id))
             scanned.append((seg, found))
             cut = max(cut, damage)
         for seg in [s for s in self.segments if (s.seg_id, math.inf) <= cut]:
@@ -565,30 +586,138 @@ class NvmeTier:
         self._index_recovered(scanned, cut)
         while self.used > self.budget and len(self.segments) > 0:
             self._reclaim(self.segments[0], save=False)
-        segdir.save_map(d, self._segmap())  # recovered segments are sealed: their sizes are known now
+        # The files first (room for the map on a full filesystem): a crash in between finds the
+        # oldest segments missing, and drops only them.
         self.sweep()
+        self._start_write(lambda: segdir.save_map(d, self._segmap()))  # recovered segments are sealed
         if ids:
             log.info("nvme: recovered %d keys from %d segments (%d bytes)%s", len(self.index), len(ids),
                      self.used, f"; every value written before segment {cut[0]}"
                      f"{'' if cut[1] == math.inf else f' offset {int(cut[1])}'} is dropped (damage)" if cut[0] else "")
 
-    def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool,
-                      hwm: int = 0) -> tuple[Segment, R.ScanResult, tuple[int, float]]:
+    def _survey(self) -> tuple[list[int], segdir.SegMap | None, int, int, tuple[int, float]]:
+        """At start, before any segment is read: the ids of the segment files to scan, the
+        segment map (None: none that can be trusted), the high-water mark (segment, offset;
+        (0, 0): none or reclaimed) and what is not trusted because of what is missing. Sets
+        aside what is not a segment of the tier (not a regular file; an id above any it
+        created), removes the files of segments reclaimed before the restart, and sets
+        _last_seg_id."""
+        d = self.directory
+        ids, strays = [], {}  # strays: id -> why it is not a segment of the tier
+        for entry in os.scandir(d):
+            if m := SEG_RE.match(entry.name):
+                if entry.is_file(follow_symlinks=False):
+                    ids.append(int(m.group(1)))
+                else:
+                    strays[int(m.group(1))] = "not a regular file"
+        ids.sort()
+        smap, hwm = segdir.load_map(d), self._hwm.load()
+        cut: tuple[int, float] = (0, 0)  # values before this (segment id, offset) are not trusted
+        if smap is not None and (why := segdir.implausible(smap, hwm[0] if hwm is not None else None)):
+            log.warning("nvme: the segment map %s of %s is implausible (%s): it is not what the tier wrote, so none "
+                        "of its segments can be trusted", segdir.MAP_FILE, d, why)
+            smap, cut = None, (ids[-1], math.inf) if ids else cut
+        elif smap is None and ids:
+            log.warning("nvme: %s holds segments but no segment map (%s): none of them can be trusted",
+                        d, segdir.MAP_FILE)
+            cut = (ids[-1], math.inf)
+        if smap is not None and hwm is not None:  # every segment the tier created is at most this
+            top = max(smap.newest, hwm[0])
+            strays.update((i, f"its id is above {top}, the newest the tier created") for i in ids if i > top)
+            ids = [i for i in ids if i <= top]
+        for seg_id, why in sorted(strays.items()):
+            path = self._seg_path(seg_id)
+            log.warning("nvme: %s is not a segment of this tier (%s): set aside as %s", path, why,
+                        segdir.set_aside(path))
+        floor = smap.floor if smap is not None else 1
+        for seg_id in (i for i in ids if i < floor):  # reclaimed, its removal did not happen
+            log.info("nvme: removing %s, a segment reclaimed before the restart", self._seg_path(seg_id))
+            try:
+                os.unlink(self._seg_path(seg_id))
+            except OSError as exc:
+                log.error("nvme: cannot remove %s (never read again: it is below the floor): %s",
+                          self._seg_path(seg_id), exc)
+        ids = [i for i in ids if i >= floor]
+        if hwm is None and ids:
+            log.warning("nvme: %s holds segments but no readable high-water mark (%s): none of them can be trusted",
+                        d, segdir.HWM_FILE)
+            cut = max(cut, (ids[-1], math.inf))
+        hwm_seg, hwm_off = hwm if hwm is not None and hwm[0] >= floor else (0, 0)  # (below: reclaimed)
+        self._last_seg_id = max(ids[-1] if ids else 0, smap.newest if smap is not None else 0, hwm_seg)
+        newest = max(smap.newest if smap is not None else 0, hwm_seg)
+        gaps = segdir.missing(floor, newest, ids) if smap is not None or hwm_seg else []
+        if gaps:
+            log.warning("nvme: segments %s of %s are missing (%d of the %d ids from %d to %d)", segdir.describe(gaps),
+                        d, sum(b - a + 1 for a, b in gaps), newest - floor + 1, floor, newest)
+            cut = max(cut, (gaps[-1][1], math.inf))
+        return ids, smap, hwm_seg, hwm_off, cut
+
+    def _start_write(self, write: Callable[[], object]) -> None:
+        """At start: write one of the tier's own small files (map, mark, state). On a full
+        filesystem the oldest segment is dropped and its file removed to make room, one at a
+        time, until it fits (a cache may forget; a crash meanwhile finds the oldest segments
+        missing, and drops only them); _NoRoom when none is left."""
+        while True:
+            try:
+                write()
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not self.segments:
+                    raise _NoRoom(str(exc)) from None
+                seg = self.segments[0]
+                log.warning("nvme: the filesystem of %s is full (%s): %s is dropped (%d keys, %d bytes) to make "
+                            "room for the tier's own files", self.directory, exc, os.path.basename(seg.path),
+                            len(seg.keys), seg.size)
+                self._reclaim(seg, save=False)
+                self.sweep()
+
+    def _turn_off(self, why: str) -> None:
+        """At start, with not even room for the tier's own files once every segment is dropped:
+        run without the disk tier (budget 0: nothing is written, so nothing on disk can lie)."""
+        for seg in list(self.segments):
+            self._reclaim(seg, save=False)
+        self.sweep()
+        self.budget = 0
+        log.error("nvme: the filesystem of disk directory %s is full (%s), with no segment left to drop to make "
+                  "room for the tier's own files: the disk tier is off (values are kept in RAM only); free "
+                  "space there, or give another --disk, and restart the daemon", self.directory, why)
+
+    def _scan_segment(self, seg_id: int, smap: segdir.SegMap | None, top: bool, hwm: int = 0,
+                      inflight: dict[int, int] | None = None) -> tuple[Segment, R.ScanResult, tuple[int, float]]:
         """Open and scan one segment at start: the segment (sealed, in self.segments), what the
         scan found, and where damage in it ends ((0, 0): none). ``hwm``: where its acknowledged
-        records end, as tier.hwm says (0: nothing known)."""
+        records end, as tier.hwm says (0: nothing known); ``inflight``: the places of value
+        writes that had not completed (tier.inflight), skipped whole."""
         path = self._seg_path(seg_id)
         fd = os.open(path, os.O_RDWR)
         seg = Segment(seg_id, path, fd, sealed=True)
         self.segments.append(seg)
         file_size = os.fstat(fd).st_size
-        found = R.scan(fd, file_size, self.salt)
-        recorded = smap.sizes.get(seg_id) if smap is not None else None
+        found = R.scan(fd, file_size, self.salt, inflight)
         damage: tuple[int, float] = (0, 0)
-        if found.damaged_to:
+        for off, end in found.inflight:  # kept dead for the next restarts (the table is emptied)
+            try:
+                os.pwrite(fd, R.dead_header(end - off, self.salt), off)
+            except OSError as exc:
+                log.warning("nvme: %s: cannot invalidate the place of a write in flight at the crash (%s): damage",
+                            path, exc)
+                damage = max(damage, (seg_id, end))
+        if found.inflight:
+            log.info("nvme: %s: %d value writes in flight at the crash skipped (never acknowledged)", path,
+                     len(found.inflight))
+        recorded = smap.sizes.get(seg_id) if smap is not None else None
+        if found.versions:
+            log.warning("nvme: %s: %d records of format version %s, not version %d, the one this build reads and "
+                        "writes: written by another gcache version (an upgrade or a downgrade?); they cannot be "
+                        "read, so they and every value written before them are dropped", path,
+                        sum(found.versions.values()), "/".join(map(str, sorted(found.versions))), R.REC_VERSION)
+        if found.skipped:
             log.warning("nvme: %s: %d damaged bytes resynchronised past, up to offset %d", path, found.skipped,
                         found.damaged_to)
-            damage = (seg_id, found.damaged_to)
+        if found.damaged_to:
+            damage = max(damage, (seg_id, found.damaged_to))
         if recorded is not None and recorded != file_size:
             log.warning("nvme: %s is %d bytes; it was sealed at %d", path, file_size, recorded)
             damage = (seg_id, math.inf)
@@ -659,6 +788,7 @@ class NvmeTier:
                     log.error("nvme: cannot sync %s: %s", seg.path, exc)
             synced = self._save_map(durable=True) and synced  # the sealed sizes as they are now
             synced = self._hwm.close(sync=True) and synced  # the open segment's
+            self._inflight.close()
             for seg in self.segments:
                 seg.doomed = True
                 if seg.refs == 0:
@@ -686,9 +816,13 @@ class NvmeTier:
         smap = segdir.load_map(self.directory)
         newest = max([int(SEG_RE.match(n).group(1)) for n in names]  # type: ignore[union-attr]
                      + [smap.newest if smap is not None else 0])
-        segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest))  # every one reclaimed, then removed
-        for n in names:
-            os.unlink(os.path.join(self.directory, n))
+        for n in names:  # (first: room for the map on a full filesystem; this start's state is not
+            os.unlink(os.path.join(self.directory, n))  # written yet, so a crash in between discards again)
+        self._start_write(lambda: segdir.save_map(self.directory, segdir.SegMap(newest + 1, newest)))
+
+
+class _NoRoom(Exception):
+    """No room on the filesystem for the tier's own files, with no segment left to drop."""
 
 
 def _over_file_limit(end: int) -> bool:

@@ -20,19 +20,23 @@ Record layout (little endian)::
 * ``value_xxh3`` is checked on every read: a torn or rotted value is a miss, never wrong bytes.
 
 Records are self-delimiting, so a scan walks from header to header. A header that fails its
-checks (bit rot, a torn write, a hole left by a write that never happened) does not end the
-scan: it searches forward for the next magic whose header verifies and continues from there,
-and reports where that damage ended (``ScanResult.damaged_to``): a tombstone may have been in
-it, so the caller must not trust any older value (gcache.tier.nvme drops them). A record the
-tier invalidated on purpose (its magic overwritten with DEAD_MAGIC, the rest of its header
-intact: see dead_header()) is skipped as a whole and is not damage.
+checks (bit rot, a torn write, a hole) does not end the scan: it searches forward for the next
+magic whose header verifies and continues from there, and reports where that damage ended
+(``ScanResult.damaged_to``): a tombstone may have been in it, so the caller must not trust any
+older value (gcache.tier.nvme drops them). A record whose header verifies but carries another
+format version byte (written by another gcache version) is skipped whole and reported apart
+(``ScanResult.versions``); it cannot be read here, so it counts as damage too (it may be a
+tombstone). A record the tier invalidated on purpose (its magic overwritten with DEAD_MAGIC,
+the rest of its header intact: see dead_header()) is skipped as a whole and is not damage; so
+is the place of a value write still in flight at a crash (the caller passes those places, from
+gcache.tier.segdir.InFlight: with records after it complete, it would otherwise be a hole).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -91,13 +95,22 @@ def dead_header(total: int, salt: int) -> bytes:
     return DEAD_MAGIC + header[len(DEAD_MAGIC):] + hchk
 
 
-def _parse(fd: int, off: int, size: int, salt: int, hdr: bytearray) -> Rec | int | None:
-    """The record starting at ``off``; the end of a dead (invalidated) record there; or None
-    if there is none that verifies."""
+@dataclass(frozen=True, slots=True)
+class Foreign:
+    """A record whose header verifies (with the tier's salt) but carries another format version:
+    written by another gcache version, and not read by this one."""
+
+    version: int
+    end: int
+
+
+def _parse(fd: int, off: int, size: int, salt: int, hdr: bytearray) -> Rec | Foreign | int | None:
+    """The record starting at ``off``; a record of another format version there; the end of a
+    dead (invalidated) record there; or None if there is none that verifies."""
     if off + FIXED > size or os.preadv(fd, [hdr], off) != FIXED:
         return None
     magic, ver, kind, ns_len, key_len, meta_len, vlen, seq, expires, checksum = REC.unpack_from(hdr)
-    if magic not in (REC_MAGIC, DEAD_MAGIC) or ver != REC_VERSION or kind not in (KIND_VALUE, KIND_TOMBSTONE):
+    if magic not in (REC_MAGIC, DEAD_MAGIC) or (ver == REC_VERSION and kind not in (KIND_VALUE, KIND_TOMBSTONE)):
         return None
     names_len = ns_len + key_len + meta_len
     names = os.pread(fd, names_len, off + FIXED)
@@ -111,6 +124,8 @@ def _parse(fd: int, off: int, size: int, salt: int, hdr: bytearray) -> Rec | int
         return None  # a torn tail: the value never fully reached the file
     if magic == DEAD_MAGIC:
         return int(value_off + vlen)
+    if ver != REC_VERSION:
+        return Foreign(ver, int(value_off + vlen))
     if kind == KIND_TOMBSTONE and vlen:
         return None
     try:
@@ -142,20 +157,35 @@ class ScanResult:
     records: list[Rec]
     end: int  # end of the last good (or dead) record: what follows is torn or garbage
     skipped: int  # bytes skipped between good records (damage resynchronised past)
-    damaged_to: int  # where the last damage resynchronised past ends (0: none); a tail is not counted
+    damaged_to: int  # where the last damage (or record of another version) ends (0: none); a tail is not counted
     dead: int  # records invalidated on purpose, skipped whole
+    versions: dict[int, int] = field(default_factory=dict)  # other format versions found: version -> records
+    inflight: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of writes in flight, skipped
 
 
-def scan(fd: int, size: int, salt: int) -> ScanResult:
-    """Every verifiable record of a segment file of ``size`` bytes, in file order."""
+def scan(fd: int, size: int, salt: int, inflight: dict[int, int] | None = None) -> ScanResult:
+    """Every verifiable record of a segment file of ``size`` bytes, in file order. ``inflight``:
+    {offset: end} of value writes that had not completed: skipped whole, whatever they hold."""
     out: list[Rec] = []
+    versions: dict[int, int] = {}
     hdr = bytearray(FIXED)
+    skipped_inflight: list[tuple[int, int]] = []
     off = end = skipped = damaged_to = dead = 0
     while off + FIXED <= size:
+        if inflight and off in inflight:
+            if inflight[off] > size:
+                break  # (the last place, never written: a torn tail)
+            skipped_inflight.append((off, inflight[off]))
+            off = end = inflight[off]
+            continue
         rec = _parse(fd, off, size, salt, hdr)
         if isinstance(rec, Rec):
             out.append(rec)
             off = end = rec.end
+            continue
+        if isinstance(rec, Foreign):  # unreadable here, a tombstone maybe: damage, said apart
+            versions[rec.version] = versions.get(rec.version, 0) + 1
+            off = end = damaged_to = rec.end
             continue
         if rec is not None:
             dead += 1
@@ -168,4 +198,4 @@ def scan(fd: int, size: int, salt: int) -> ScanResult:
             break
         skipped += nxt - off
         off = damaged_to = nxt
-    return ScanResult(out, end, skipped, damaged_to, dead)
+    return ScanResult(out, end, skipped, damaged_to, dead, versions, skipped_inflight)

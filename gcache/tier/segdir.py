@@ -1,6 +1,6 @@
 """The NVMe tier directory's own files: the lock that keeps a second daemon out, the segment
-map that lets a restart notice a segment that is missing, truncated or already reclaimed, and
-the open segment's high-water mark.
+map that lets a restart notice a segment that is missing, truncated or already reclaimed, the
+open segment's high-water mark, and the places of writes in flight.
 
 The lock: an exclusive ``flock`` on the directory itself, held while the tier is open. A
 second process (another daemon) is refused; the kernel drops the lock when its holder dies
@@ -26,6 +26,9 @@ map; the open one's is not, so this small file, mapped into memory, is updated w
 store after each append and before it is acknowledged (no system call: a process crash keeps the
 page cache). A restart that finds the open segment's records ending below the mark takes it as
 damage (a tombstone may have been cut off), not as the torn append of a crash.
+
+``tier.inflight``: the places of value records reserved and not yet written (InFlight), mapped
+and updated the same way; a restart skips them whole (see gcache.tier.nvme).
 """
 
 from __future__ import annotations
@@ -115,6 +118,63 @@ def load_map(directory: str) -> SegMap | None:
     return SegMap(floor, newest, sizes)
 
 
+MAX_SEG_ID = 99_999_999  # seg-NNNNNNNN.log
+
+
+def implausible(smap: SegMap, hwm_seg: int | None) -> str | None:
+    """Why ``smap`` cannot be a map the tier wrote (None: it can be). ``hwm_seg``: the segment
+    tier.hwm names (None: unknown); the map is saved before a new segment's mark is set, so its
+    newest id is at most one above it."""
+    floor, newest = smap.floor, smap.newest
+    if not 1 <= floor <= newest + 1:
+        return f"its floor {floor} is not between 1 and its newest id {newest} + 1"
+    if newest > MAX_SEG_ID:
+        return f"its newest id {newest} is beyond what a segment file name holds"
+    if hwm_seg is not None and newest > hwm_seg + 1:
+        return f"its newest id {newest} is far above segment {hwm_seg}, the newest {HWM_FILE} names"
+    bad = sorted(i for i, n in smap.sizes.items() if not floor <= i <= newest or n < 0)
+    if bad:
+        return f"it records a size for segment {bad[0]}, outside {floor}..{newest} or below 0"
+    return None
+
+
+def missing(floor: int, newest: int, ids: list[int]) -> list[tuple[int, int]]:
+    """The ranges (first, last) of ids from ``floor`` to ``newest`` that are not in ``ids``
+    (sorted): O(len(ids)), however far apart floor and newest are."""
+    gaps = []
+    prev = floor - 1
+    for i in ids:
+        if i > newest:
+            break
+        if i > prev + 1:
+            gaps.append((prev + 1, i - 1))
+        prev = max(prev, i)
+    if newest > prev:
+        gaps.append((prev + 1, newest))
+    return gaps
+
+
+def describe(ranges: list[tuple[int, int]], most: int = 5) -> str:
+    """``[(2, 3), (7, 7)]`` -> ``"2..3, 7"`` (the first ``most`` ranges, then how many more)."""
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in ranges[:most])
+    return text + (f" and {len(ranges) - most} more ranges" if len(ranges) > most else "")
+
+
+def set_aside(path: str) -> str | None:
+    """Rename ``path`` (not one of the tier's files) to ``path.stray`` (or ``.strayN``), out of
+    the way of the tier but kept for whoever put it there; the new path, None if it failed."""
+    dest, n = path + ".stray", 0
+    while os.path.lexists(dest):
+        n += 1
+        dest = f"{path}.stray{n}"
+    try:
+        os.rename(path, dest)
+    except OSError as exc:
+        log.error("nvme: cannot set %s aside: %s", path, exc)
+        return None
+    return dest
+
+
 def _pair(line: str) -> tuple[int, int]:
     a, b = line.split()  # ValueError unless two fields
     return int(a), int(b)
@@ -129,11 +189,15 @@ def write_atomically(directory: str, name: str, text: str, durable: bool = True)
     new); ``durable``: also fsync'd, file and directory, so a power cut keeps it."""
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError:
+        _remove_quietly(tmp)  # (a full filesystem: what it took is given back)
+        raise
     os.replace(tmp, path)
     if not durable:
         return
@@ -142,6 +206,13 @@ def write_atomically(directory: str, name: str, text: str, durable: bool = True)
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class HighWater:
@@ -163,6 +234,9 @@ class HighWater:
             return None
         if len(data) != HWM.size:
             return None
+        if data[:3] == HWM_MAGIC[:3] and data[:4] != HWM_MAGIC:
+            log.warning("nvme: %s is of format %r, not %r as this build writes: written by another gcache version "
+                        "(an upgrade or a downgrade?)", self.path, data[:4], HWM_MAGIC)
         _, seg_id, off, _ = HWM.unpack(data)
         if data != self._encode(seg_id, off):  # the magic, the padding and the checksum
             return None
@@ -172,8 +246,12 @@ class HighWater:
         """A fresh mark (segment ``seg_id``, offset 0), written atomically (a crash leaves the old
         file or the new), then mapped."""
         self.seg, self.off = seg_id, 0
-        with open(self.path + ".tmp", "wb") as f:
-            f.write(self._encode(seg_id, 0))
+        try:
+            with open(self.path + ".tmp", "wb") as f:
+                f.write(self._encode(seg_id, 0))
+        except OSError:
+            _remove_quietly(self.path + ".tmp")
+            raise
         os.replace(self.path + ".tmp", self.path)
         fd = os.open(self.path, os.O_RDWR)
         try:
@@ -205,3 +283,77 @@ class HighWater:
     def _encode(self, seg_id: int, off: int) -> bytes:
         chk = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seg_id, off), seed=self.salt)
         return HWM.pack(HWM_MAGIC, seg_id, off, chk)
+
+
+INFLIGHT_FILE = "tier.inflight"
+SLOT = struct.Struct("<QQQQ")  # segment id, offset, length, xxh3 of the rest (seeded with the salt)
+SLOTS = 64
+
+
+class InFlight:
+    """tier.inflight, mapped: the places of value records reserved and not yet written (at most
+    SLOTS at once; the store has one writer). Set and cleared with plain memory stores under the
+    tier's lock (no system call); a process crash keeps the page. A restart skips these places
+    whole, whatever they hold: the write never completed, was never acknowledged, and is not a
+    hole of damage to take for a lost tombstone."""
+
+    def __init__(self, directory: str, salt: int) -> None:
+        self.path = os.path.join(directory, INFLIGHT_FILE)
+        self.salt = salt
+        self._mm: mmap.mmap | None = None
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    def load(self) -> list[tuple[int, int, int]]:
+        """The places the file records (segment id, offset, length); none if it is missing."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(SLOT.size * SLOTS)
+        except OSError:
+            return []
+        out = []
+        for at in range(0, len(data) - SLOT.size + 1, SLOT.size):
+            seg_id, off, n, _ = SLOT.unpack_from(data, at)
+            if n and data[at: at + SLOT.size] == self._encode(seg_id, off, n):
+                out.append((seg_id, off, n))
+        return out
+
+    def open(self) -> None:
+        """An empty table, written atomically, then mapped."""
+        tmp = self.path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(bytes(SLOT.size * SLOTS))
+        except OSError:
+            _remove_quietly(tmp)
+            raise
+        os.replace(tmp, self.path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, SLOT.size * SLOTS)
+        finally:
+            os.close(fd)
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    def add(self, seg_id: int, off: int, n: int) -> int:
+        """The caller's lock held: record a place; its slot (-1: none free, or not open)."""
+        if self._mm is None or not self._free:
+            return -1
+        slot = self._free.pop()
+        self._mm[slot * SLOT.size: (slot + 1) * SLOT.size] = self._encode(seg_id, off, n)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """The caller's lock held: the place's write completed (or was rolled back)."""
+        if slot < 0 or self._mm is None:
+            return
+        self._mm[slot * SLOT.size: (slot + 1) * SLOT.size] = bytes(SLOT.size)
+        self._free.append(slot)
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+
+    def _encode(self, seg_id: int, off: int, n: int) -> bytes:
+        chk = xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seg_id, off, n), seed=self.salt)
+        return SLOT.pack(seg_id, off, n, chk)
