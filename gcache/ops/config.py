@@ -10,7 +10,9 @@ Sections (every key optional; see ``deploy/gcache.toml`` for an annotated exampl
 
 A file's values become the defaults of the command's flags, so a flag given on the command
 line wins. The environment carries only secrets and paths: ``$GCACHE_TOKEN`` (the token itself),
-``$GCACHE_CONFIG`` / ``$GCACHE_TOKEN_FILE`` (where the files are).
+``$GCACHE_CONFIG`` / ``$GCACHE_TOKEN_FILE`` (where the files are); a value the file gives wins
+over theirs. ``token_file`` and ``masters``: the daemon's and the master's own section first, then
+[cluster]; the operator commands (status, drain, health) [cluster] first, then [daemon].
 
 ``check(path)`` returns every problem with its line and key; ``gcache config check FILE`` prints them.
 """
@@ -356,15 +358,25 @@ def _arg_value(field: Field, value: Any) -> Any:
     return value
 
 
+def masters_url(value: Any) -> str:
+    """A file's ``masters`` (a list of HOST:PORT, or one comma-separated string) as the
+    ``gcache://`` URL the commands take; the list may begin with ``gcache://``, as --masters and
+    $GCACHE_MASTERS may."""
+    return "gcache://" + ",".join(_as_list(value)).removeprefix("gcache://")
+
+
 def defaults_for(doc: dict, command: str) -> dict[str, Any]:
     """argparse defaults (dest -> value) that ``doc`` gives ``command``."""
     out: dict[str, Any] = {}
     cluster = doc.get("cluster", {})
     if command in ("daemon", "status", "drain", "health"):
-        if "masters" in cluster:
-            out["masters"] = "gcache://" + ",".join(_as_list(cluster["masters"]))
-        if "token_file" in cluster:
-            out["token_file"] = cluster["token_file"]
+        # [cluster] first; the operator commands fall back to [daemon]'s (the daemon's own section
+        # overrides [cluster] below): `gcache drain --config` stops a daemon with the daemon's token
+        fallback = doc.get("daemon", {}) if command != "daemon" else {}
+        for key in ("masters", "token_file"):
+            src = cluster if key in cluster else fallback
+            if key in src:
+                out[key] = masters_url(src[key]) if key == "masters" else src[key]
     if command == "master" and "token_file" in cluster:
         out["token_file"] = cluster["token_file"]
     section = None if command in ("status", "drain", "health") else command  # these have no section
@@ -372,9 +384,7 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
     for key, value in (doc.get(section, {}) if section else {}).items():
         field = fields[key]
         dest = field.dest or key
-        out[dest] = _arg_value(field, value)
-        if dest == "masters":
-            out[dest] = "gcache://" + out[dest].removeprefix("gcache://")
+        out[dest] = masters_url(value) if dest == "masters" else _arg_value(field, value)
     daemon = doc.get("daemon", {})
     if command == "drain" and ("node_id" in daemon or "listen" in daemon):
         out["node"] = daemon.get("node_id", daemon.get("listen"))
