@@ -167,11 +167,28 @@ def _as_list(v: Any) -> list[str]:
 
 
 # -- cross-key checks: (section doc) -> [(key path, message)] --------------------------------
+def _masters_problems(d: dict) -> list[tuple[tuple, str]]:
+    """``masters`` as the commands read it (masters_url, then the master client's parse_masters)."""
+    if "masters" not in d:
+        return []
+    from gcache.meta.master_client import parse_masters
+
+    try:
+        parse_masters(masters_url(d["masters"]))
+    except ConfigError as exc:
+        return [(("masters",), str(exc))]
+    return []
+
+
+def _check_cluster(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
+    return _masters_problems(d)
+
+
 def _check_daemon(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
     from gcache.sizes import parse_size
     from gcache.tier.pools import PoolBudget
 
-    out = []
+    out = _masters_problems(d)
     mem = parse_size(d.get("mem", "1GiB")) if not _type_error(Kind.SIZE, d.get("mem", "1GiB")) else None
     for i, spec in enumerate(d.get("pool_budgets", []) if isinstance(d.get("pool_budgets"), list) else []):
         try:
@@ -249,13 +266,14 @@ def _check_sglang(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
 
 
 CHECKS: dict[str, Callable[[dict, dict], list[tuple[tuple, str]]]] = {
-    "daemon": _check_daemon, "master": _check_master, "router": _check_router, "sglang": _check_sglang,
+    "cluster": _check_cluster, "daemon": _check_daemon, "master": _check_master, "router": _check_router, "sglang": _check_sglang,
 }
 
 
 # A command's own check of its section: given the whole document, (argparse dest or None, problem)
-# for each value the command would refuse. ``gcache config check`` passes the daemon's (gcache.daemon,
-# a layer above this module), so the file is refused for what the daemon itself refuses.
+# for each value the command would refuse. ``gcache config check`` passes the daemon's and the
+# master's (gcache.daemon, gcache.masterd: a layer above this module) and a check of the token
+# files, so the file is refused for what the processes themselves refuse.
 Validator = Callable[[dict], list[tuple[str | None, str]]]
 
 
