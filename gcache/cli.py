@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "SGLang: KV pages computed with old weights). It drops the whole namespace, whoever wrote "
                      "it. Exit status: 0 when every daemon acknowledged; 1 when any did not (unreachable, timed "
                      "out, refused: it keeps its keys, and stderr says so); 2 without --yes.")
-    s.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")
+    s.add_argument("--yes", action="store_true",
+                   help="really delete (without it the command refuses, deletes nothing and exits 2)")
     s.set_defaults(fn=cmd_clear, timeout=30.0)
     s = data_cmd("stats", "per-node table of memory, disk, hits and evictions")
     s.description = ("Per-node table of memory, disk, hits and evictions. Exit status: 0 when every node "

@@ -90,8 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "joining while nodes are declared down waits up to this (+ --fence-after) for them "
                         "(default %(default)s)")
     p.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
-                        "the address is printed at start-up and written to READY_FILE.metrics")
+                   help="serve Prometheus /metrics, /healthz and /readyz on METRICS_HOST:PORT (--metrics-host, "
+                        "default 127.0.0.1; 0 picks a free port; default off); the address is printed at "
+                        "start-up and written to READY_FILE.metrics")
     p.add_argument("--no-local", action="store_true",
                    help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
     p.add_argument("--lease", type=argtypes.seconds_at_least(MIN_LEASE_S), default=5.0,

@@ -280,6 +280,9 @@ Validator = Callable[[dict], list[tuple[str | None, str]]]
 def check_text(text: str, validators: dict[str, Validator] | None = None) -> tuple[dict, list[Problem]]:
     """Parse and validate; returns the document and every problem found (syntax errors stop it).
     ``validators`` (section -> Validator) run on a section that has no problem of its own."""
+    if text.startswith("\ufeff"):  # tomllib's word for it: "Invalid statement (at line 1, column 1)"
+        return {}, [Problem(1, 1, "", "the file begins with a byte order mark (BOM, U+FEFF); TOML files must not: "
+                                      "save it as UTF-8 without a BOM")]
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

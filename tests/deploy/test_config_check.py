@@ -20,7 +20,7 @@ import pytest
 
 from gcache import cli
 from gcache.env import resolve_token
-from gcache.ops.config import SCHEMA
+from gcache.ops.config import SCHEMA, check_text
 
 ROOT = Path(__file__).resolve().parents[2]
 GCACHE = [sys.executable, "-m", "gcache"]
@@ -220,3 +220,24 @@ def test_fence_after_must_leave_room_below_down_after(tmp_path, capsys, no_token
     f.write_text("[daemon]\nheartbeat = 2.0\nfence_after = 2.0\n")
     code, _, err = config_check(capsys, str(f))
     assert code == 1 and f"{f}:2: [daemon] heartbeat: must be below --fence-after" in err, err
+
+
+# -- LOW ---------------------------------------------------------------------------------------
+def test_a_byte_order_mark_is_named(tmp_path, capsys):
+    _, (prob,) = check_text("\ufeff[daemon]\nmem = \"64MiB\"\n")
+    assert prob.line == 1 and "byte order mark" in prob.message, prob.message
+    f = tmp_path / "bom.toml"
+    f.write_bytes(b"\xef\xbb\xbf[daemon]\n")
+    assert cli.main(["daemon", "--config", str(f)]) == 2
+    assert "byte order mark" in capsys.readouterr().err
+
+
+def test_help_says_what_the_flags_do(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "cmd").choices
+    daemon_help = sub["daemon"].format_help()
+    assert "127.0.0.1:PORT" not in daemon_help and "METRICS_HOST:PORT" in daemon_help
+    clear_help = " ".join(sub["clear"].format_help().split())
+    assert "say what would be deleted" not in clear_help and "refuse" in clear_help
+    assert cli.main(["clear", "-n", "ns", "--nodes", "127.0.0.1:1"]) == 2
+    assert "add --yes" in capsys.readouterr().err
