@@ -23,9 +23,10 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 T = TypeVar("T")
 
 
-def seconds_error(value: Any, zero_ok: bool = False, minimum: float | None = None) -> str | None:
+def seconds_error(value: Any, zero_ok: bool = False, minimum: float | None = None,
+                  maximum: float | None = None) -> str | None:
     """Why ``value`` is not a duration: a finite number of seconds > 0 (>= 0 with ``zero_ok``,
-    >= ``minimum`` when given)."""
+    >= ``minimum`` when given; <= ``maximum`` when given)."""
     want = f"a finite number of seconds {'>= 0' if zero_ok else '> 0'}"
     if minimum is not None:
         want = f"a finite number of seconds >= {minimum:g}"
@@ -34,6 +35,8 @@ def seconds_error(value: Any, zero_ok: bool = False, minimum: float | None = Non
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or (
             minimum is not None and value < minimum):
         return f"must be {want}, got {value!r}"
+    if maximum is not None and value > maximum:
+        return f"must be at most {maximum:g} seconds, got {value!r}"
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
 from gcache import argtypes
 from gcache.errors import GCacheError, ServerError
@@ -341,7 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="work with a gcache.toml config file")
     cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
     cc = cf_sub.add_parser("check", help="validate config files; print FILE:LINE: key: problem for each error")
+    cc.description = ("Check config files as the processes that read them would: every key's type, and what "
+                      "gcache daemon and gcache master would refuse to start with (their own checks, on the "
+                      "file's values), the token files read. Exit status 0 when every file is ok.")
     cc.add_argument("files", nargs="+", metavar="FILE")
+    cc.add_argument("--shared", action="store_true",
+                    help="FILE is shared by hosts that add their own flags and mount the token (a Kubernetes "
+                         "ConfigMap): do not require what a flag may give (a master's raft) and do not read "
+                         "token_file")
     cc.set_defaults(fn=cmd_config_check)
 
     st = sub.add_parser("status", help="membership table (node, state, epoch, capacity, used, keys) from any master")
@@ -409,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "SGLang: KV pages computed with old weights). It drops the whole namespace, whoever wrote "
                      "it. Exit status: 0 when every daemon acknowledged; 1 when any did not (unreachable, timed "
                      "out, refused: it keeps its keys, and stderr says so); 2 without --yes.")
-    s.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")
+    s.add_argument("--yes", action="store_true",
+                   help="really delete (without it the command refuses, deletes nothing and exits 2)")
     s.set_defaults(fn=cmd_clear, timeout=30.0)
     s = data_cmd("stats", "per-node table of memory, disk, hits and evictions")
     s.description = ("Per-node table of memory, disk, hits and evictions. Exit status: 0 when every node "
@@ -434,32 +443,114 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _daemon_section_problems(doc: dict) -> list[tuple[str | None, str]]:
-    """What ``gcache daemon --config FILE`` would refuse in the file's [daemon] section: the
-    daemon's own check of its flags (gcache.daemon.settings) on the values the file gives them."""
-    from gcache import daemon
+class _Refusing(argparse.ArgumentParser):
+    """A parser that raises what it refuses (argparse.ArgumentError) instead of printing and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise argparse.ArgumentError(None, message)
+
+
+def _section_parser(command: str, doc: dict) -> argparse.ArgumentParser:
+    """``gcache COMMAND``'s parser with ``doc``'s values as its defaults, as ``--config FILE`` makes them."""
+    from gcache import daemon, masterd
     from gcache.ops import health
     from gcache.ops.config import apply_defaults, defaults_for
 
-    p = argparse.ArgumentParser(prog="gcache daemon", exit_on_error=False)
-    daemon.add_arguments(p)
-    health.add_arguments(p, with_port=False)
-    apply_defaults(p, defaults_for(doc, "daemon"))
+    p = _Refusing(prog=f"gcache {command}", exit_on_error=False)
+    (daemon if command == "daemon" else masterd).add_arguments(p)
+    health.add_arguments(p, with_port=command == "master")
+    apply_defaults(p, defaults_for(doc, command))
+    return p
+
+
+Problems = list[tuple[str | None, str]]  # (argparse dest or None, why), as gcache.ops.config.Validator
+
+
+def _section_args(command: str, doc: dict, shared: bool) -> tuple[argparse.Namespace | None, Problems]:
+    """The arguments ``gcache COMMAND --config FILE`` runs with (no other flags), or None and what
+    argparse refuses in them: a flag the command requires that the file does not give (not a
+    problem in a ``shared`` file: the flags give it per host) or a value its type refuses."""
+    p = _section_parser(command, doc)
+    missing = [a for a in p._actions if a.required]  # apply_defaults cleared those the file gives
+    if missing:
+        return None, [] if shared else [(a.dest, f"missing: gcache {command} needs it ({a.option_strings[0]})")
+                                        for a in missing]
     try:
-        daemon.settings(p.parse_args([]))
-    except daemon.FlagError as exc:
-        return [(exc.dest, exc.detail)]
-    except (argparse.ArgumentError, SystemExit) as exc:  # the file's checks let through what argparse refuses
-        return [(None, str(exc))]
+        return p.parse_args([]), []
+    except argparse.ArgumentError as exc:  # a file value that the flag's type refuses (e.g. --node-id's)
+        dest = next((a.dest for a in p._actions if a.option_strings and exc.argument_name == "/".join(
+            a.option_strings)), None)
+        return None, [(dest, exc.message if dest else str(exc))]
+
+
+def _token_file_problems(section: str, doc: dict, shared: bool) -> Problems:
+    """The section's ``token_file`` read as the processes read it (not in a ``shared`` file: the
+    token is elsewhere, e.g. a Kubernetes Secret mounted in the pods)."""
+    from gcache import env
+
+    if shared or "token_file" not in doc.get(section, {}):
+        return []
+    try:
+        env.read_token_file(doc[section]["token_file"])
+    except GCacheError as exc:
+        return [("token_file", str(exc))]
     return []
 
 
-def cmd_config_check(args: argparse.Namespace) -> int:
-    from gcache.ops.config import check
+def _cluster_problems(doc: dict, shared: bool = False) -> Problems:
+    return _token_file_problems("cluster", doc, shared)
 
+
+def _daemon_section_problems(doc: dict, shared: bool = False) -> Problems:
+    """What ``gcache daemon --config FILE`` would refuse in the file's [daemon] section: the
+    daemon's own check of its flags (gcache.daemon.settings) on the values the file gives them;
+    with a [master] section too, its fence-after against the masters' down-after."""
+    from gcache import daemon
+
+    problems = _token_file_problems("daemon", doc, shared)
+    args, refused = _section_args("daemon", doc, shared)
+    if args is None:
+        return problems + refused
+    try:
+        daemon.settings(args)
+    except daemon.FlagError as exc:
+        return [*problems, (exc.dest, exc.detail)]
+    master = doc.get("master")  # (its own problems, if any, are reported on its own keys)
+    down_after = master.get("down_after", _section_parser("master", {}).get_default("down_after")) \
+        if isinstance(master, dict) else None
+    if isinstance(down_after, (int, float)) and not isinstance(down_after, bool) and (
+            bad := daemon.fence_error(args.heartbeat, args.fence_after, down_after)):
+        problems.append(bad)
+    return problems
+
+
+def _master_section_problems(doc: dict, shared: bool = False) -> Problems:
+    """What ``gcache master --config FILE`` would refuse in the file's [master] section (its own
+    check, gcache.masterd.master_config)."""
+    from gcache import masterd
+
+    problems = _token_file_problems("master", doc, shared)
+    args, refused = _section_args("master", doc, shared)
+    if args is None:
+        return problems + refused
+    try:
+        masterd.master_config(args, token="(read apart)")  # the token file: _token_file_problems
+    except GCacheError as exc:
+        problems.append((getattr(exc, "field", None), str(exc)))
+    return problems
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from gcache.ops.config import Validator, check
+
+    validators: dict[str, Validator] = {"cluster": partial(_cluster_problems, shared=args.shared),
+                  "daemon": partial(_daemon_section_problems, shared=args.shared),
+                  "master": partial(_master_section_problems, shared=args.shared)}
     bad = 0
     for path in args.files:
-        problems = check(path, {"daemon": _daemon_section_problems})
+        problems = check(path, validators)
         for p in problems:
             print(p.format(path), file=sys.stderr)
         bad += len(problems)

@@ -19,7 +19,7 @@ from gcache.client.handover import ClientPut
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
-from gcache.net.address import split_host_port
+from gcache.net.address import binds_clash, split_host_port
 from gcache.process import stop_on_signals, wait_for_stop, write_ready
 from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 from gcache.server.admission import AdmissionConfig
@@ -28,7 +28,7 @@ from gcache.server.local import MIN_LEASE_S, LocalServer
 from gcache.server.server import DataServer
 from gcache.sizes import parse_size
 from gcache.tier.eviction import EvictionConfig, EvictionKind
-from gcache.tier.pools import PoolBudget
+from gcache.tier.pools import PoolBudget, PoolBudgets
 from gcache.tier.store import Store, StoreConfig
 
 log = logging.getLogger("gcached")
@@ -80,16 +80,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between heartbeats (default %(default)s)")
     p.add_argument("--fence-after", type=argtypes.seconds, default=2.0,
                    help="refuse data requests (FENCED) after this long without an acknowledgement from the master "
-                        "leader, unless every peer confirms a master outage; keep it + 0.6 below the masters' "
-                        "--down-after (default %(default)s)")
+                        "leader, unless every peer confirms a master outage; it must be above --heartbeat, and "
+                        "it + 0.6 below the masters' --down-after (gcache config check checks a file with both) "
+                        "(default %(default)s)")
     p.add_argument("--outage-max", type=argtypes.seconds, default=15.0,
                    help="in a master outage its peers confirm, serve on under the last membership for at most "
                         "this long after the master leader last acknowledged this node, then fence; a node "
                         "joining while nodes are declared down waits up to this (+ --fence-after) for them "
                         "(default %(default)s)")
     p.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 picks a free port; default off); "
-                        "the address is printed at start-up and written to READY_FILE.metrics")
+                   help="serve Prometheus /metrics, /healthz and /readyz on METRICS_HOST:PORT (--metrics-host, "
+                        "default 127.0.0.1; 0 picks a free port; default off); the address is printed at "
+                        "start-up and written to READY_FILE.metrics")
     p.add_argument("--no-local", action="store_true",
                    help="do not serve the local shared-memory path (Unix socket + arena fd) to clients on this host")
     p.add_argument("--lease", type=argtypes.seconds_at_least(MIN_LEASE_S), default=5.0,
@@ -144,6 +146,28 @@ _FIELD_FLAGS = {"mem_bytes": "mem", "disk_bytes": "disk_size", "max_value_bytes"
                 "progress_timeout_s": "progress_timeout"}
 _DURATIONS = ("heartbeat", "fence_after", "outage_max", "lease", "frame_timeout", "handshake_timeout",
               "progress_timeout")
+# No duration of the daemon's is sensibly longer than a day; a longer one is a typo (and a wait of
+# 1e300 s raises OverflowError in the thread that waits).
+MAX_DURATION_S = 86400.0
+
+
+def fence_error(heartbeat_s: float, fence_after_s: float, down_after_s: float | None = None) -> tuple[str, str] | None:
+    """(argparse dest, why) when the daemon's timing breaks what keeps a node cut off from the
+    masters from serving keys that have moved (None: it does not): heartbeat rounds more often
+    than --fence-after, and --fence-after plus a cut-off master leader's step-down
+    (gcache.meta.raft.LEADER_FALLBACK_S) below the masters' --down-after, when that is known
+    (``gcache config check`` on a file with both sections; the daemon does not know it)."""
+    if not heartbeat_s < fence_after_s:
+        return "heartbeat", (f"must be below --fence-after ({fence_after_s:g} s), or the node fences between "
+                             f"heartbeat rounds (got {heartbeat_s:g} s)")
+    if down_after_s is not None:
+        from gcache.meta.raft import LEADER_FALLBACK_S
+
+        if not fence_after_s + LEADER_FALLBACK_S < down_after_s:
+            return "fence_after", (f"{fence_after_s:g} s + {LEADER_FALLBACK_S:g} s (a cut-off master leader's "
+                                   f"step-down) must be below the masters' down_after ({down_after_s:g} s): else a "
+                                   "node cut off from the masters serves on after its keys have moved")
+    return None
 
 
 def settings(args: argparse.Namespace) -> Settings:
@@ -162,10 +186,17 @@ def settings(args: argparse.Namespace) -> Settings:
 
     host, port = flag("listen", lambda: split_host_port(args.listen, "--listen"))
     for dest in _DURATIONS:
-        if err := argtypes.seconds_error(getattr(args, dest), minimum=MIN_LEASE_S if dest == "lease" else None):
+        if err := argtypes.seconds_error(getattr(args, dest), minimum=MIN_LEASE_S if dest == "lease" else None,
+                                         maximum=MAX_DURATION_S):
             raise FlagError(dest, err)
+    if bad := fence_error(args.heartbeat, args.fence_after):
+        raise FlagError(*bad)
     if args.metrics_port is not None and (err := argtypes.port_error(args.metrics_port)):
         raise FlagError("metrics_port", err)
+    if args.metrics_port is not None and binds_clash(
+            (host, port), (getattr(args, "metrics_host", "127.0.0.1"), args.metrics_port)):
+        raise FlagError("metrics_port", f"{args.metrics_port} is also the --listen port ({args.listen}): give the "
+                                        "metrics endpoint a port of its own")
     if err := argtypes.count_error(args.max_connections):
         raise FlagError("max_connections", err)
     mem = flag("mem", lambda: parse_size(args.mem))
@@ -175,6 +206,7 @@ def settings(args: argparse.Namespace) -> Settings:
     read_budget = flag("disk_read_budget", lambda: parse_size(read_text)) if read_text is not None else None
     meta_budget = flag("meta_budget", lambda: parse_size(args.meta_budget))
     pools = flag("pool_budget", lambda: tuple(PoolBudget.parse(spec, mem) for spec in args.pool_budget))
+    flag("pool_budget", lambda: PoolBudgets(pools, mem))  # they add up to at most the arena (as the Store checks)
     eviction = flag("eviction", lambda: EvictionConfig.parse(args.eviction))
     try:
         store = StoreConfig(mem_bytes=mem, disk_dir=args.disk, disk_bytes=disk_bytes, max_value_bytes=max_value,

@@ -15,7 +15,9 @@ from gcache import argtypes
 from gcache.errors import ConfigError
 from gcache.meta import rpc
 from gcache.meta.core import log_without_blocking
+from gcache.meta.fields import node_error
 from gcache.meta.master import Master, MasterConfig
+from gcache.net.address import binds_clash, split_host_port
 from gcache.process import write_ready
 
 
@@ -42,6 +44,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="logging level (default %(default)s)")
 
 
+# MasterConfig's fields that one flag sets (ConfigError.field -> argparse dest), where they differ
+_FIELD_FLAGS = {"token": "token_file", "suspect_after_s": "suspect_after", "down_after_s": "down_after"}
+
+
+def master_config(args: argparse.Namespace, token: str) -> MasterConfig:
+    """The master's configuration from its flags, checked as the master checks it before it
+    starts anything; ConfigError whose ``field`` is the argparse dest of the flag at fault.
+    ``gcache config check`` runs it on a file's [master] section."""
+    if args.id is not None and (err := node_error(args.id, "--id")):
+        raise ConfigError(err, "id")  # it names the master in logs and the Raft status
+    try:
+        config = MasterConfig(listen=args.listen, raft=args.raft,
+                              peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), token=token,
+                              suspect_after_s=args.suspect_after, down_after_s=args.down_after)
+    except ConfigError as exc:
+        raise ConfigError(str(exc), _FIELD_FLAGS.get(exc.field or "", exc.field)) from None
+    port: int | None = getattr(args, "metrics_port", None)
+    host: str = getattr(args, "metrics_host", "127.0.0.1")
+    for flag, address in (("--listen", config.listen), ("--raft", config.raft)):
+        if port is not None and binds_clash((host, port), split_host_port(address)):
+            raise ConfigError(f"--metrics-port {port} is also the {flag} port ({address}): give the metrics "
+                              "endpoint a port of its own", "metrics_port")
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     listener = log_without_blocking(args.log_level, f"%(asctime)s master[{args.id or args.raft}] %(levelname)s "
                                                     "%(message)s")
@@ -53,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        config = MasterConfig(listen=args.listen, raft=args.raft,
-                              peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
-                              token=rpc.load_token(args.token_file) or "",
-                              suspect_after_s=args.suspect_after, down_after_s=args.down_after)
+        config = master_config(args, rpc.load_token(args.token_file) or "")
     except ConfigError as exc:
         print(f"gcache master: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ from gcache.meta.feed import FanOut, MembershipFeed
 from gcache.meta.fields import MAX_INT, cut, flag_error, heartbeat_error, int_error, node_error
 from gcache.meta.frontstats import FrontStats
 from gcache.meta.membership import address_error
-from gcache.net.address import split_host_port
+from gcache.meta.raft import raft_address_error
+from gcache.net.address import binds_clash, split_host_port
 
 log = logging.getLogger("gcache.master")
 
@@ -98,12 +99,25 @@ class MasterConfig:
     fan_out: FanOut = field(default_factory=FanOut)
 
     def __post_init__(self) -> None:
+        """ConfigError (``field``: this dataclass's field at fault) for what a master cannot run with."""
         if not self.token:
-            raise ConfigError("a master needs the cluster token (--token-file, $GCACHE_TOKEN_FILE or $GCACHE_TOKEN)")
+            raise ConfigError("a master needs the cluster token (--token-file, $GCACHE_TOKEN_FILE or $GCACHE_TOKEN)",
+                              "token")
         if not 0 < self.suspect_after_s < self.down_after_s:
-            raise ConfigError("need 0 < --suspect-after < --down-after")
+            raise ConfigError("need 0 < --suspect-after < --down-after", "down_after_s")
         if len(self.peers) not in (1, 3, 5) or self.raft not in self.peers:
-            raise ConfigError("--peers must list 1, 3 or 5 Raft addresses, this master's --raft among them")
+            raise ConfigError("--peers must list 1, 3 or 5 Raft addresses, this master's --raft among them", "peers")
+        if twice := sorted({p for p in self.peers if self.peers.count(p) > 1}):
+            raise ConfigError(f"--peers lists {', '.join(twice)} twice: each master's Raft address once", "peers")
+        if err := raft_address_error(self.raft):
+            raise ConfigError(err, "raft")
+        try:
+            listen, raft = split_host_port(self.listen, "--listen"), split_host_port(self.raft, "--raft")
+        except ValueError as exc:
+            raise ConfigError(str(exc), "listen" if "--listen" in str(exc) else "raft") from None
+        if binds_clash(listen, raft):
+            raise ConfigError(f"--raft {self.raft} is also the gRPC --listen port ({self.listen}): give Raft a port "
+                              "of its own", "raft")
 
 
 class Master:

@@ -21,6 +21,7 @@ from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
 from gcache.meta import raft_guard
+from gcache.net.address import host_of, is_wildcard
 
 log = logging.getLogger(__name__)
 RAFT_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER, as passed to onStateChanged
@@ -32,6 +33,14 @@ STATES = ("follower", "candidate", "leader")
 # long a leader cut off in a minority can still grant leases: keep --fence-after + this below the
 # masters' --down-after (defaults: 2 s + 0.6 s < 3 s).
 LEADER_FALLBACK_S = 0.6
+
+
+def raft_address_error(self_addr: str) -> str | None:
+    """Why a master cannot bind Raft at ``self_addr`` (None: it can): the peers know a master by
+    the address it binds, so it must be that address, not every interface's."""
+    if is_wildcard(host_of(self_addr)):
+        return f"Raft address {self_addr!r}: bind an explicit address, not a wildcard"
+    return None
 
 
 class StateMachine(Protocol):
@@ -68,9 +77,8 @@ class RaftGroup:
                  election_timeout_s: tuple[float, float] = (0.15, 0.3), leader_fallback_s: float = LEADER_FALLBACK_S) -> None:
         if not password:
             raise ValueError("a Raft group needs a password (the cluster token): pysyncobj unpickles its peers' messages")
-        host = self_addr.rpartition(":")[0].strip("[]")
-        if host in ("", "0.0.0.0", "::", "*"):
-            raise ValueError(f"Raft address {self_addr!r}: bind an explicit address, not a wildcard")
+        if err := raft_address_error(self_addr):
+            raise ValueError(err)
         raft_guard.install()
         conf = SyncObjConf(
             password=password,

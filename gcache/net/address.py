@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 LOOPBACK_NAMES = ("localhost", "::1")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")  # bind every interface
 
 
 def split_host_port(address: str, what: str = "address") -> tuple[str, int]:
@@ -19,6 +20,18 @@ def split_host_port(address: str, what: str = "address") -> tuple[str, int]:
 def host_of(address: str) -> str:
     """The HOST of ``"HOST:PORT"`` (everything before the last colon, brackets removed)."""
     return address.rpartition(":")[0].strip("[]")
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding HOST binds every interface (``0.0.0.0``, ``::``, ``*`` or no host)."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def binds_clash(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether listening on (HOST, PORT) ``a`` and ``b`` at once would fail: one port (not 0,
+    which picks a free one) on one host, or on any host when either binds every interface."""
+    (ha, pa), (hb, pb) = a, b
+    return pa == pb != 0 and (ha.strip("[]") == hb.strip("[]") or is_wildcard(ha) or is_wildcard(hb))
 
 
 def is_loopback(host: str) -> bool:

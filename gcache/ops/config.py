@@ -10,7 +10,9 @@ Sections (every key optional; see ``deploy/gcache.toml`` for an annotated exampl
 
 A file's values become the defaults of the command's flags, so a flag given on the command
 line wins. The environment carries only secrets and paths: ``$GCACHE_TOKEN`` (the token itself),
-``$GCACHE_CONFIG`` / ``$GCACHE_TOKEN_FILE`` (where the files are).
+``$GCACHE_CONFIG`` / ``$GCACHE_TOKEN_FILE`` (where the files are); a value the file gives wins
+over theirs. ``token_file`` and ``masters``: the daemon's and the master's own section first, then
+[cluster]; the operator commands (status, drain, health) [cluster] first, then [daemon].
 
 ``check(path)`` returns every problem with its line and key; ``gcache config check FILE`` prints them.
 """
@@ -165,11 +167,28 @@ def _as_list(v: Any) -> list[str]:
 
 
 # -- cross-key checks: (section doc) -> [(key path, message)] --------------------------------
+def _masters_problems(d: dict) -> list[tuple[tuple, str]]:
+    """``masters`` as the commands read it (masters_url, then the master client's parse_masters)."""
+    if "masters" not in d:
+        return []
+    from gcache.meta.master_client import parse_masters
+
+    try:
+        parse_masters(masters_url(d["masters"]))
+    except ConfigError as exc:
+        return [(("masters",), str(exc))]
+    return []
+
+
+def _check_cluster(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
+    return _masters_problems(d)
+
+
 def _check_daemon(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
     from gcache.sizes import parse_size
     from gcache.tier.pools import PoolBudget
 
-    out = []
+    out = _masters_problems(d)
     mem = parse_size(d.get("mem", "1GiB")) if not _type_error(Kind.SIZE, d.get("mem", "1GiB")) else None
     for i, spec in enumerate(d.get("pool_budgets", []) if isinstance(d.get("pool_budgets"), list) else []):
         try:
@@ -247,19 +266,23 @@ def _check_sglang(d: dict, cluster: dict) -> list[tuple[tuple, str]]:
 
 
 CHECKS: dict[str, Callable[[dict, dict], list[tuple[tuple, str]]]] = {
-    "daemon": _check_daemon, "master": _check_master, "router": _check_router, "sglang": _check_sglang,
+    "cluster": _check_cluster, "daemon": _check_daemon, "master": _check_master, "router": _check_router, "sglang": _check_sglang,
 }
 
 
 # A command's own check of its section: given the whole document, (argparse dest or None, problem)
-# for each value the command would refuse. ``gcache config check`` passes the daemon's (gcache.daemon,
-# a layer above this module), so the file is refused for what the daemon itself refuses.
+# for each value the command would refuse. ``gcache config check`` passes the daemon's and the
+# master's (gcache.daemon, gcache.masterd: a layer above this module) and a check of the token
+# files, so the file is refused for what the processes themselves refuse.
 Validator = Callable[[dict], list[tuple[str | None, str]]]
 
 
 def check_text(text: str, validators: dict[str, Validator] | None = None) -> tuple[dict, list[Problem]]:
     """Parse and validate; returns the document and every problem found (syntax errors stop it).
     ``validators`` (section -> Validator) run on a section that has no problem of its own."""
+    if text.startswith("\ufeff"):  # tomllib's word for it: "Invalid statement (at line 1, column 1)"
+        return {}, [Problem(1, 1, "", "the file begins with a byte order mark (BOM, U+FEFF); TOML files must not: "
+                                      "save it as UTF-8 without a BOM")]
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -356,15 +379,25 @@ def _arg_value(field: Field, value: Any) -> Any:
     return value
 
 
+def masters_url(value: Any) -> str:
+    """A file's ``masters`` (a list of HOST:PORT, or one comma-separated string) as the
+    ``gcache://`` URL the commands take; the list may begin with ``gcache://``, as --masters and
+    $GCACHE_MASTERS may."""
+    return "gcache://" + ",".join(_as_list(value)).removeprefix("gcache://")
+
+
 def defaults_for(doc: dict, command: str) -> dict[str, Any]:
     """argparse defaults (dest -> value) that ``doc`` gives ``command``."""
     out: dict[str, Any] = {}
     cluster = doc.get("cluster", {})
     if command in ("daemon", "status", "drain", "health"):
-        if "masters" in cluster:
-            out["masters"] = "gcache://" + ",".join(_as_list(cluster["masters"]))
-        if "token_file" in cluster:
-            out["token_file"] = cluster["token_file"]
+        # [cluster] first; the operator commands fall back to [daemon]'s (the daemon's own section
+        # overrides [cluster] below): `gcache drain --config` stops a daemon with the daemon's token
+        fallback = doc.get("daemon", {}) if command != "daemon" else {}
+        for key in ("masters", "token_file"):
+            src = cluster if key in cluster else fallback
+            if key in src:
+                out[key] = masters_url(src[key]) if key == "masters" else src[key]
     if command == "master" and "token_file" in cluster:
         out["token_file"] = cluster["token_file"]
     section = None if command in ("status", "drain", "health") else command  # these have no section
@@ -372,9 +405,7 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
     for key, value in (doc.get(section, {}) if section else {}).items():
         field = fields[key]
         dest = field.dest or key
-        out[dest] = _arg_value(field, value)
-        if dest == "masters":
-            out[dest] = "gcache://" + out[dest].removeprefix("gcache://")
+        out[dest] = masters_url(value) if dest == "masters" else _arg_value(field, value)
     daemon = doc.get("daemon", {})
     if command == "drain" and ("node_id" in daemon or "listen" in daemon):
         out["node"] = daemon.get("node_id", daemon.get("listen"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gcache import cli
+from gcache import cli, env
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"
@@ -115,6 +115,11 @@ def test_unit_command_lines_are_accepted(monkeypatch):
 
     seen = []
     monkeypatch.setattr(rcli, "serve", lambda a: seen.append(a) or 0)
+    def token_there(path: str) -> str:  # the units run on a host with the token file the config names
+        assert path == "/etc/gcache/token", path
+        return "t0ken"
+
+    monkeypatch.setattr(env, "read_token_file", token_there)  # (config check reads it)
     checked = 0
     for name in NAMES:
         for argv in commands(name):
