@@ -10,10 +10,13 @@ HELLO reply, and the daemon's owner check runs only when epochs differ): host 2 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
 
+from gcache import Client, Status
+from gcache.client.config import LocalPath
 from gcache.cluster import LocalCluster
 from gcache.errors import GCacheError
 from gcache.meta.master import register_error
@@ -101,3 +104,69 @@ def test_masters_refuse_a_wildcard_and_an_address_another_live_node_holds(tmp_pa
             mc.call("Register", {"node": "b", "address": "127.0.0.1:7400", "capacity": 1 << 30})
         finally:
             mc.close()
+
+
+# -- the daemon ---------------------------------------------------------------------------------
+def _daemon(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*GCACHE, "daemon", "--mem", "16MiB", "--no-pretouch", *argv], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0"])
+def test_a_daemon_on_a_wildcard_without_advertise_refuses_to_start(listen):
+    p = _daemon("--listen", listen)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "wildcard" in lines[0] and "set --advertise" in lines[0], lines[0]
+
+
+def test_a_daemon_refuses_a_wildcard_advertise(tmp_path):
+    p = _daemon("--listen", "127.0.0.1:0", "--advertise", "0.0.0.0")
+    assert p.returncode == 2 and "--advertise" in p.stderr and "wildcard" in p.stderr, p.stderr
+
+
+def test_the_daemon_on_a_wildcard_registers_its_advertised_address(tmp_path):
+    """Bound on every interface, registered (and written to the ready file) as 127.0.0.1 with
+    the port it bound; its node id defaults to that address; clients reach it through the
+    masters, over TCP and the local path (whose socket is named after the advertised address)."""
+    with LocalCluster(nodes=0, masters=1, root=str(tmp_path)) as cl:
+        ready = tmp_path / "ready"
+        proc = subprocess.Popen([*GCACHE, "daemon", "--listen", "0.0.0.0:0", "--advertise", "127.0.0.1",
+                                 "--mem", "16MiB", "--no-pretouch", "--masters", cl.master_url,
+                                 "--token-file", str(cl.token_file), "--ready-file", str(ready)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            poll(lambda: ready.exists() and ready.read_text().strip(), 30)
+            address = ready.read_text().strip()
+            assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+            for local in (LocalPath.OFF, LocalPath.FORCE):
+                with Client(cl.master_url, token=cl.token, timeout_s=5.0, local=local) as c:
+                    nodes = c.membership.nodes
+                    assert [(n.node_id, n.address) for n in nodes] == [(address, address)]
+                    assert c.put([b"k"], [b"v"]) == [Status.OK] and c.get([b"k"]) == [b"v"]
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+def test_config_check_refuses_a_wildcard_listen_without_advertise(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\nlisten = "0.0.0.0:7400"\n')
+    good = tmp_path / "good.toml"
+    good.write_text('[daemon]\nlisten = "0.0.0.0:7400"\nadvertise = "10.0.0.11"\n')
+    p = subprocess.run([*GCACHE, "config", "check", str(bad)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 1 and f"{bad}:2: [daemon] listen:" in p.stderr and "advertise" in p.stderr, p.stderr
+    p = subprocess.run([*GCACHE, "config", "check", str(good)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+
+
+def test_drain_with_a_config_names_the_daemon_by_its_default_id_the_advertised_address():
+    from gcache.ops.config import defaults_for
+
+    doc = {"daemon": {"listen": "0.0.0.0:7400", "advertise": "10.0.0.11"}}
+    assert defaults_for(doc, "drain")["node"] == "10.0.0.11:7400"
+    assert defaults_for({"daemon": {**doc["daemon"], "node_id": "gpu-a"}}, "drain")["node"] == "gpu-a"
+    assert defaults_for({"daemon": {"listen": "10.0.0.11:7400"}}, "drain")["node"] == "10.0.0.11:7400"
