@@ -10,20 +10,24 @@ HELLO reply, and the daemon's owner check runs only when epochs differ): host 2 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from gcache import Client, Status
+from gcache import Client, ClientConfig, OnNodeError, Status
 from gcache.client.config import LocalPath
 from gcache.cluster import LocalCluster
-from gcache.errors import GCacheError
+from gcache.errors import ConnectionFailed, GCacheError
 from gcache.meta.master import register_error
 from gcache.meta.master_client import MasterClient
+from gcache.meta.membership import Membership
 from gcache.meta.nodetable import COMMAND_VERSION, NodeTable
 from gcache.net.address import advertised_address_error, is_wildcard, parse_advertise
+from gcache.transport import Transport, open_connection
 from tests.conftest import poll
+from tests.server.memory_daemon import memory_cluster
 
 GCACHE = [sys.executable, "-m", "gcache"]
 
@@ -170,3 +174,53 @@ def test_drain_with_a_config_names_the_daemon_by_its_default_id_the_advertised_a
     assert defaults_for(doc, "drain")["node"] == "10.0.0.11:7400"
     assert defaults_for({"daemon": {**doc["daemon"], "node_id": "gpu-a"}}, "drain")["node"] == "gpu-a"
     assert defaults_for({"daemon": {"listen": "10.0.0.11:7400"}}, "drain")["node"] == "10.0.0.11:7400"
+
+
+# -- the client ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("token", [None, "t0k"])
+def test_open_connection_checks_the_node_it_expects(token):
+    with memory_cluster(1, token=token, tag=f"expect{token}") as (d,):
+        conn = open_connection("other", d.address, 2.0, token, Transport.MEMORY)  # not asked: not checked
+        conn.close()
+        conn = open_connection(d.address, d.address, 2.0, token, Transport.MEMORY, check_node=True)
+        conn.close()
+        with pytest.raises(ConnectionFailed) as err:
+            open_connection("node-x", d.address, 2.0, token, Transport.MEMORY, check_node=True)
+        assert "node-x" in str(err.value) and repr(d.address) in str(err.value)
+
+
+@pytest.mark.parametrize("local", [LocalPath.OFF, LocalPath.FORCE])
+def test_a_client_whose_node_address_reaches_another_node_is_never_served(tmp_path, local):
+    """node0's address in the client's membership leads to node1 (and node1's to node0), at the
+    epoch and ring the masters publish. Before, that client's puts were acknowledged by the wrong
+    daemons and its gets served their stale copies after the real owners were overwritten."""
+    with LocalCluster(nodes=2, masters=1, mem="32MiB", root=str(tmp_path)) as cl:
+        keys = [f"k{i}".encode() for i in range(40)]
+        with Client(cl.master_url, token=cl.token, timeout_s=5.0) as good:
+            real = good.membership
+            assert sorted(n.node_id for n in real.nodes) == ["node0", "node1"]
+            addr = {n.node_id: n.address for n in real.nodes}
+            other = {"node0": addr["node1"], "node1": addr["node0"]}
+            swapped = dataclasses.replace(real, nodes=tuple(dataclasses.replace(n, address=other[n.node_id])
+                                                            for n in real.nodes))
+            cfg = ClientConfig(token=cl.token, timeout_s=5.0, local=local, on_node_error=OnNodeError.MISS)
+            with Client(swapped, cfg) as bad:
+                stale = bad.put(keys, [b"stale"] * 40)
+                assert good.put(keys, [b"new"] * 40) == [Status.OK] * 40
+                got = bad.get(keys)
+                assert set(stale) == {Status.UNAVAILABLE} and got == [None] * 40, (stale, got)
+            with Client(swapped, dataclasses.replace(cfg, on_node_error=OnNodeError.RAISE)) as bad:
+                with pytest.raises(ConnectionFailed) as err:
+                    bad.get(keys)
+                msg = str(err.value)
+                assert "node0" in msg and "node1" in msg, msg
+            assert good.get(keys) == [b"new"] * 40
+
+
+def test_a_static_client_does_not_check_node_ids(tmp_path):
+    """A static client names each daemon by its address; the daemon's id may be anything."""
+    with LocalCluster(nodes=1, mem="32MiB", root=str(tmp_path)) as cl:
+        with Client(cl.addresses, timeout_s=5.0) as c:
+            assert c.put([b"k"], [b"v"]) == [Status.OK] and c.get([b"k"]) == [b"v"]
+        m = Membership.from_addresses(cl.addresses)
+        assert [n.node_id for n in m.nodes] == cl.addresses  # node name = address: nothing to check
