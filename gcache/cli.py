@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("drain", help="drain a node: its keys move to their new owners, hottest first, then it leaves")
     dr.add_argument("node", nargs="?", default=None,
-                    help="node id to drain (default with --config: its [daemon] node_id, else its listen address)")
+                    help="node id to drain (default with --config: its [daemon] node_id, else its advertised address, "
+                         "else its listen address)")
     dr.add_argument("--masters", default=None, help=MASTERS_HELP)
     dr.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     dr.add_argument("--timeout", type=argtypes.seconds, default=600.0,

@@ -19,7 +19,7 @@ from gcache.client.handover import ClientPut
 from gcache.errors import ConfigError
 from gcache.meta.master_client import MasterClient
 from gcache.meta.rpc import load_token
-from gcache.net.address import binds_clash, split_host_port
+from gcache.net.address import binds_clash, is_wildcard, parse_advertise, split_host_port
 from gcache.process import stop_on_signals, wait_for_stop, write_ready
 from gcache.protocol import DEFAULT_MAX_VALUE_BYTES
 from gcache.server.admission import AdmissionConfig
@@ -47,8 +47,13 @@ def _node_id(text: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:7400",
                    help="HOST:PORT for the data plane (port 0 picks a free one; default %(default)s)")
+    p.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                   help="the address registered with the masters and given to clients: the one they reach this "
+                        "daemon at (PORT defaults to the port it listens on; the local path's socket is named "
+                        "after it). Required when --listen is a wildcard (0.0.0.0, ::), which no client can dial "
+                        "(default: the listen address)")
     p.add_argument("--node-id", type=_node_id, default=None,
-                   help="stable node id, printable ASCII without spaces (default: the listen address)")
+                   help="stable node id, printable ASCII without spaces (default: the advertised address)")
     p.add_argument("--mem", type=argtypes.size, default="1GiB",
                    help="RAM arena size, e.g. 512MiB, 4GiB (default %(default)s)")
     p.add_argument("--disk", default=None, help="NVMe tier directory (omit for RAM only)")
@@ -136,6 +141,7 @@ class Settings:
     port: int
     store: StoreConfig
     admission: AdmissionConfig
+    advertise: str | None = None  # --advertise as given (HOST or HOST:PORT, checked)
 
 
 # the fields of StoreConfig and AdmissionConfig that one flag sets (ConfigError.field -> dest)
@@ -185,6 +191,13 @@ def settings(args: argparse.Namespace) -> Settings:
             raise FlagError(dest, str(exc)) from None
 
     host, port = flag("listen", lambda: split_host_port(args.listen, "--listen"))
+    advertise = getattr(args, "advertise", None)  # (absent from an older config's namespace)
+    if advertise is None and is_wildcard(host):
+        raise FlagError("listen", f"--listen {args.listen!r} is a wildcard address (every interface), which no "
+                                  "client or peer can dial: set --advertise HOST[:PORT] ([daemon] advertise) to "
+                                  "the address they reach this daemon at")
+    if advertise is not None:  # a port 0 listen: the port it binds is not known yet, any will do for the check
+        flag("advertise", lambda: parse_advertise(advertise, port or 1))
     for dest in _DURATIONS:
         if err := argtypes.seconds_error(getattr(args, dest), minimum=MIN_LEASE_S if dest == "lease" else None,
                                          maximum=MAX_DURATION_S):
@@ -219,7 +232,7 @@ def settings(args: argparse.Namespace) -> Settings:
             progress_timeout_s=args.progress_timeout)
     except ConfigError as exc:
         raise FlagError(_FIELD_FLAGS.get(exc.field or ""), str(exc)) from None
-    return Settings(host, port, store, admission)
+    return Settings(host, port, store, admission, advertise)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         token = load_token(args.token_file)
         store = Store(config)
         server = DataServer(store, host, port, node_id=args.node_id,
-                            max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission)
+                            max_payload=max(config.max_value_bytes * 64, 1 << 30), token=token, admission=admission,
+                            advertise=s.advertise)
         agent = None
         if args.masters:
             agent = Agent(MasterClient(args.masters, token), server.node_id, server.address,
@@ -281,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
             store.close()
             return 0 if stop.is_set() else 3
     line = f"gcached listening on {server.address} node={server.node_id} mem={config.mem_bytes}"
+    if server.bound != server.address:
+        line = line.replace(server.address, f"{server.bound} (advertised as {server.address})", 1)
     if config.disk_dir:
         line += f" disk={config.disk_dir} ({len(store.nvme or [])} keys recovered)"
     print(line, flush=True)

@@ -42,7 +42,7 @@ NILS_4MB = b"\xdd" + (4_000_000).to_bytes(4, "big") + b"\xc0" * 4_000_000  # msg
     ("capacity", 1e30), ("capacity", MAX_CAPACITY + 1), ("capacity", "1"), ("capacity", True)])
 def test_register_requests_are_checked_field_by_field(field, value):
     """(An address every client refuses, "a:1,b:2", would make every membership unusable: the
-    masters refuse what gcache.meta.membership.address_error refuses.)"""
+    masters refuse what gcache.net.address.address_error refuses.)"""
     assert register_error(GOOD) is None
     err = register_error({**GOOD, field: value})
     assert err is not None and f"'{field}'" in err and len(err) <= MAX_MESSAGE + 3

@@ -289,3 +289,24 @@ def test_ucx_worker_addresses_of_both_layout_versions_pass_the_check():
         assert setup.address_error(bytes([own[0] & 0xF0 | version]) + own[1:]) is None
     assert "layout version 2" in setup.address_error(bytes([own[0] & 0xF0 | 2]) + own[1:])
     assert "bytes" in setup.address_error(b"\x00")
+
+
+def test_over_ucx_a_node_whose_address_leads_to_another_daemon_is_refused(ucx_cluster):
+    """The UCX dialer greets over the TCP set-up stream like the others: with node ids known
+    (not a static address list), the daemon answering must be the node dialled."""
+    from gcache.meta.membership import Membership, Node
+
+    a = ucx_cluster.addresses
+    right = Membership(0, tuple(Node(f"node{i}", addr) for i, addr in enumerate(a)))
+    swapped = Membership(0, (Node("node0", a[1]), Node("node1", a[0]), *right.nodes[2:]))
+    keys = [f"swap{i}".encode() for i in range(30)]
+    with Client(right, transport=Transport.UCX, timeout_s=10.0) as c:
+        assert c.put(keys, [b"v"] * 30) == [Status.OK] * 30
+    with Client(swapped, transport=Transport.UCX, timeout_s=10.0) as c, \
+            pytest.raises(ConnectionFailed, match="not 'node"):
+        c.get(keys)
+    with Client(swapped, transport=Transport.UCX, timeout_s=10.0, on_node_error=OnNodeError.MISS) as c:
+        got = c.get(keys)
+        owners = dict(zip(keys, c.owners(keys)))
+        for k, v in zip(keys, got):
+            assert v == (b"v" if owners[k] == "node2" else None), (k, owners[k], v)

@@ -22,6 +22,14 @@ from gcache.transport import Connection, Transport, open_connection
 LOCAL_RETRY_S = 5.0  # after the local path to a daemon failed, TCP is used this long
 
 
+def knows_node(node: str, address: str) -> bool:
+    """Whether ``node`` is the id of the daemon at ``address`` as the masters know it, so that
+    the daemon answering there must say it is ``node`` (gcache.transport.open_connection's
+    check_node). A static cluster names each node by its address (Membership.from_addresses)
+    and the daemon's own id may be anything: nothing to check then."""
+    return node != address
+
+
 class Pool:
     """Idle connections per node; a checked-out connection belongs to one call at a time.
 
@@ -94,7 +102,8 @@ class Pool:
                 if self.local is LocalPath.FORCE:
                     raise
                 self._no_local[node] = time.monotonic()
-        return open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport)
+        return open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport,
+                               check_node=knows_node(node, address))
 
     def _connect_budget(self, node: str, deadline: float | None) -> float:
         if deadline is None:
@@ -108,7 +117,7 @@ class Pool:
         """A Unix-socket connection with the daemon's arena mapped read-only (enough for gets;
         writable_arena() maps it writable on a first put)."""
         conn = open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport,
-                               local=True)
+                               local=True, check_node=knows_node(node, address))
         try:
             conn.arena, conn.arena_id = self._mapped(conn, self._arenas, False, deadline)
         except GCacheError:

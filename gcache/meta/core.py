@@ -146,12 +146,29 @@ class Core:
             known = cmd["node"] in self.table.nodes
         return None if known else f"unknown node {cmd['node']!r}"
 
+    def _address_taken(self, cmd: dict[str, Any]) -> str | None:
+        """A Register at an address another live node holds is refused here, before it is
+        proposed: two nodes at one address (two daemons each told the other's address, a host
+        re-provisioned under a new node id while the old one still serves) send clients of one
+        node to the other. Once that node is declared down its address is free. Checked on this
+        master's table, not in NodeTable.apply: a group part upgraded would apply the same
+        command differently. Two such Registers in flight at once may both pass."""
+        if cmd.get("op") != "register":
+            return None
+        with self.lock:
+            holder = self.table.address_holder(cmd["address"], cmd["node"])
+            state = self.table.nodes[holder]["state"] if holder is not None else None
+        if holder is None:
+            return None
+        return (f"address {cmd['address']} is registered to node {holder!r} ({state}); a node may take it only "
+                f"once {holder!r} is declared down (give each daemon its own --advertise / --listen address)")
+
     def _propose(self, req_id: int, cmd: dict[str, Any], timeout_s: float) -> None:
         stale = self._stale_report(cmd)
         if stale is not None:
             self.send(("reply", req_id, True, stale))
             return
-        refused = self._unknown_node(cmd)
+        refused = self._unknown_node(cmd) or self._address_taken(cmd)
         if refused is not None:
             self.send(("reply", req_id, False, ("refused", refused)))
             return

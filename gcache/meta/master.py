@@ -34,9 +34,8 @@ from gcache.meta.core import core_main
 from gcache.meta.feed import FanOut, MembershipFeed
 from gcache.meta.fields import MAX_INT, cut, flag_error, heartbeat_error, int_error, node_error
 from gcache.meta.frontstats import FrontStats
-from gcache.meta.membership import address_error
 from gcache.meta.raft import raft_address_error
-from gcache.net.address import binds_clash, split_host_port
+from gcache.net.address import advertised_address_error, binds_clash, split_host_port
 
 log = logging.getLogger("gcache.master")
 
@@ -73,7 +72,9 @@ def register_error(req: dict[str, Any]) -> str | None:
             raise ValueError(f"'address' {address!r}: port 0 cannot be reached")
     except ValueError as exc:
         return cut(str(exc))
-    err = address_error(address)  # what every client and daemon checks (a comma, a space...)
+    # what every client and daemon checks (a comma, a space...), and no wildcard: 0.0.0.0 in the
+    # membership sends every client to a daemon on its own host, whichever node it meant
+    err = advertised_address_error(address)
     if err is not None:
         return cut(f"'address': {err}")
     if type(capacity) is not int or not 0 < capacity <= MAX_CAPACITY:

@@ -19,7 +19,7 @@ from gcache.env import SCHEME
 from gcache.errors import ConfigError, GCacheError
 from gcache.meta import rpc
 from gcache.meta.beat import BeatClient
-from gcache.meta.membership import address_error
+from gcache.net.address import address_error
 
 
 class MasterUnavailable(GCacheError, ConnectionError):
@@ -49,7 +49,7 @@ class Backoff:
 
 def parse_masters(spec: str | list[str]) -> list[str]:
     """``gcache://h1:p1,h2:p2`` (or a plain list) -> [HOST:PORT, ...]; ConfigError naming the
-    entry that is not a HOST:PORT (gcache.meta.membership.address_error)."""
+    entry that is not a HOST:PORT (gcache.net.address.address_error)."""
     given = spec
     if isinstance(spec, str):
         spec = spec.strip()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import enum
-import ipaddress
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gcache.errors import ConfigError
 from gcache.meta.ring import HashRing, RingParams
+from gcache.net.address import address_error
 
 
 class NodeState(enum.Enum):
@@ -18,28 +17,6 @@ class NodeState(enum.Enum):
     SUSPECT = "suspect"
     DOWN = "down"
     DRAINING = "draining"
-
-
-_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def address_error(address: str) -> str | None:
-    """Why ``address`` is not a HOST:PORT a node can be reached at (None: it is one): HOST is a
-    name or IPv4 address (letters, digits, ``-``, ``.``, ``_``) or a bracketed IPv6 address, PORT
-    1-65535 in ASCII digits. The masters refuse a Register with such an address
-    (gcache.meta.master), so no membership holds one."""
-    host, _, port = address.rpartition(":")
-    ok_port = port.isascii() and port.isdigit() and 0 < int(port) <= 65535
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ok_host = isinstance(ipaddress.ip_address(host[1:-1]), ipaddress.IPv6Address)
-        except ValueError:
-            ok_host = False
-    else:
-        ok_host = _HOST_NAME.fullmatch(host) is not None
-    if not ok_port or not ok_host:
-        return f"address {address!r} is not HOST:PORT (a host name, IPv4 or [IPv6] address, and a port 1-65535)"
-    return None
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,13 @@ class NodeTable:
         return out
 
     # -- views ------------------------------------------------------------------------------
+    def address_holder(self, address: str, node: str) -> str | None:
+        """Another node than ``node`` registered at ``address`` and not down (up, suspect or
+        draining: it may still be serving there), or None. Two live nodes at one address send
+        the clients of one to the other (gcache.meta.core refuses such a Register)."""
+        return next((n for n, r in self.nodes.items()
+                     if n != node and r["address"] == address and r["state"] != "down"), None)
+
     def down_for(self, now_ms: int) -> dict[str, float]:
         """Seconds since each down node was declared down, by the proposer's clock ``down_at``
         (0 when unknown: declared down by an older version)."""

@@ -91,6 +91,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "fence_after": Field(Kind.SECONDS), "metrics_port": Field(Kind.PORT), "metrics_host": Field(Kind.STR),
         "local": Field(Kind.BOOL, "no_local", True), "lease": Field(Kind.SECONDS), "ucx": Field(Kind.BOOL),
         "ready_file": Field(Kind.PATH), "log_level": Field(Kind.LEVEL),
+        "advertise": Field(Kind.STR),  # HOST or HOST:PORT (gcache.daemon checks it)
     },
     "master": {
         "id": Field(Kind.STR), "listen": Field(Kind.ADDR), "raft": Field(Kind.ADDR), "peers": Field(Kind.ADDRS),
@@ -407,12 +408,23 @@ def defaults_for(doc: dict, command: str) -> dict[str, Any]:
         dest = field.dest or key
         out[dest] = masters_url(value) if dest == "masters" else _arg_value(field, value)
     daemon = doc.get("daemon", {})
-    if command == "drain" and ("node_id" in daemon or "listen" in daemon):
-        out["node"] = daemon.get("node_id", daemon.get("listen"))
+    if command == "drain" and ("node_id" in daemon or "listen" in daemon or "advertise" in daemon):
+        out["node"] = daemon.get("node_id") or _default_node_id(daemon)
     if command == "health" and "metrics_port" in doc.get("daemon", {}):
         host = doc["daemon"].get("metrics_host", "127.0.0.1")
         out["daemon_metrics"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{doc['daemon']['metrics_port']}"
     return out
+
+
+def _default_node_id(daemon: dict) -> str:
+    """The node id of a daemon without node_id: its advertised address, else its listen address."""
+    from gcache.net.address import parse_advertise
+
+    listen = str(daemon.get("listen", "127.0.0.1:7400"))
+    try:
+        return parse_advertise(daemon["advertise"], int(listen.rpartition(":")[2])) if "advertise" in daemon else listen
+    except ValueError:
+        return listen
 
 
 def apply_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:

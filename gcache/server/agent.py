@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from gcache.errors import GCacheError
-from gcache.meta.master_client import AuthFailed, MasterClient
+from gcache.meta.master_client import AuthFailed, MasterClient, MasterUnavailable
 from gcache.meta.membership import Membership
 from gcache.meta.ring import HashRing, RingParams
 from gcache.server.handover import PutFn, hand_over, held_moved, held_unowned
@@ -413,8 +413,10 @@ class Agent:
                     self._heartbeat()
             except AuthFailed as exc:
                 log.error("%s", exc)
-            except GCacheError as exc:
+            except MasterUnavailable as exc:
                 log.warning("masters unreachable: %s", exc)
+            except GCacheError as exc:  # e.g. a Register refused: its address is another live node's
+                log.warning("%s failed: %s", "registration" if self.inc == 0 else "heartbeat round", exc)
             # rounds start every heartbeat_s (a slow round, e.g. asking peers, is not followed by
             # a full extra period, so an outage's lease renewals come often enough)
             with self._changed:

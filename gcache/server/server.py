@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 
+from gcache.net.address import parse_advertise
 from gcache.net.stream import SocketStream
 from gcache.net.wire import shutdown_quietly, tune
 from gcache.server.admission import Admission, AdmissionConfig, ConnState
@@ -23,12 +24,17 @@ log = logging.getLogger(__name__)
 class DataServer:
     def __init__(self, store: Store, host: str, port: int, node_id: str | None = None,
                  max_payload: int = 4 << 30, token: str | None = None,
-                 admission: AdmissionConfig | None = None) -> None:
+                 admission: AdmissionConfig | None = None, advertise: str | None = None) -> None:
+        """``advertise``: HOST or HOST:PORT clients reach this server at (gcache.net.address.
+        parse_advertise; the port defaults to the one bound), else the address bound. It is
+        ``address`` (registered, the local path's name, the default node id); ``bound`` is where
+        it listens."""
         # shared with the local server: one connection cap and metadata budget for the daemon
         self.admission = Admission(admission or AdmissionConfig(), token_required=token is not None)
         self._lsock = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._lsock.getsockname()[:2]
-        self.address = f"{self.host}:{self.port}"
+        self.bound = f"{self.host}:{self.port}"
+        self.address = parse_advertise(advertise, self.port) if advertise is not None else self.bound
         self.ctx = ServerContext(store, node_id or self.address, max_payload, token, self.admission.config,
                                  self.admission.budget)
         self._stopped = threading.Event()

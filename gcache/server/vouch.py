@@ -36,7 +36,8 @@ def _ping_all(peers: dict[str, str], meta: dict, token: str | None, timeout_s: f
     def ask(node: str, address: str) -> None:
         conn = None
         try:
-            conn = open_connection(node, address, max(0.05, deadline - time.monotonic()), token)
+            # the peers are the membership's node ids: an answer from another daemon at that address is none
+            conn = open_connection(node, address, max(0.05, deadline - time.monotonic()), token, check_node=True)
             out[node] = conn.call(P.Op.PING, meta, deadline)
         except (GCacheError, OSError) as exc:
             if any(isinstance(e, ConnectionRefusedError) for e in (exc, exc.__cause__, exc.__context__)):

@@ -111,18 +111,23 @@ def register(transport: Transport, local: bool, dialer: Dialer) -> None:
 
 
 def open_connection(node: str, address: str, timeout_s: float, token: str | None,
-                    transport: Transport = Transport.TCP, local: bool = False) -> Connection:
+                    transport: Transport = Transport.TCP, local: bool = False,
+                    check_node: bool = False) -> Connection:
     """An authenticated Connection to the daemon ``node`` at ``address`` over ``transport``
-    (``local``: its same-host path, the Unix socket). Typed errors: ConnectionFailed,
-    CallTimeout, ServerError (e.g. a wrong token)."""
+    (``local``: its same-host path, the Unix socket). With ``check_node`` (the caller routes by
+    node ids, e.g. a membership from the masters) the daemon's HELLO reply must name ``node``,
+    whichever dialer carried it: every dialer greets through the same handshake. Typed errors:
+    ConnectionFailed (also: another node answered), CallTimeout, ServerError (e.g. a wrong token)."""
     dialer = _DIALERS.get((transport, local))
     if dialer is None:
         raise ConnectionFailed(node, f"no {transport.value}{' local' if local else ''} transport")
     deadline = time.monotonic() + timeout_s
+    greeted: list[bool] = []
 
     def greet(stream: Stream) -> Callable[[Op, dict[str, Any]], dict[str, Any]]:
         setup = Connection(node, address, stream, timeout_s)
-        setup.hello(token, deadline)
+        setup.hello(token, deadline, check_node)
+        greeted.append(True)
         return lambda op, meta: setup.call(op, meta, deadline)
 
     try:
@@ -133,6 +138,9 @@ def open_connection(node: str, address: str, timeout_s: float, token: str | None
         raise CallTimeout(node, timeout_s) from None
     except (OSError, ValueError, ConnectionError) as exc:
         raise ConnectionFailed(node, str(exc) or type(exc).__name__) from None
+    if check_node and not greeted:  # a dialer that skipped the handshake: which daemon this is is unknown
+        stream.close()
+        raise ConnectionFailed(node, f"the {transport.value} dialer did not greet {address}; node id not checked")
     return Connection(node, address, stream, timeout_s)
 
 

@@ -68,13 +68,21 @@ class Connection:
         self._send_nowait: Callable[[list[Any]], int] | None = (
             self._polled.sendmsg_nowait if self._polled is not None else None)
 
-    def hello(self, token: str | None, deadline: float) -> None:
-        """The data-plane handshake: prove the cluster token once (nothing to do without one).
-        On failure the connection is closed and the typed error raised."""
-        if token is None:
+    def hello(self, token: str | None, deadline: float, check_node: bool = False) -> None:
+        """The data-plane handshake: prove the cluster token once (nothing to do without one),
+        and with ``check_node`` make sure the daemon that answers is ``self.node`` (its HELLO
+        reply names it): a client routing by node ids must never be served by another node that
+        happens to answer at the address it dialled (a wildcard or loopback address in the
+        membership, an address reused by another daemon). On failure the connection is closed
+        and the typed error raised (ConnectionFailed for another node)."""
+        if token is None and not check_node:
             return
         try:
-            self.call(P.Op.HELLO, {"token": token}, deadline)
+            reply = self.call(P.Op.HELLO, {} if token is None else {"token": token}, deadline)
+            if check_node and reply.get("node") != self.node:
+                raise ConnectionFailed(self.node, f"{self.address} is answered by node {reply.get('node')!r}, not "
+                                                  f"{self.node!r}: the membership's address for {self.node!r} leads "
+                                                  "to another daemon; refused")
         except GCacheError:
             self.close()
             raise
