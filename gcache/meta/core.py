@@ -229,6 +229,11 @@ class Core:
         leader = self.raft.is_leader
         if rec is None or rec_inc != inc or state == "down":
             why = "unknown node" if rec is None else ("stale incarnation" if rec_inc != inc else "declared down")
+            # born says "this table registered you and has removed you" (agent._removed): only from a
+            # table that has applied all that is committed (a new leader may not have applied the
+            # node's register yet: a live node would leave for good, a reviewer); 0: unknown
+            if not self.raft.applied_all_committed:
+                born = 0
             return {"ok": False, "reason": why, "epoch": epoch, "born": born, "leader": leader}
         if req.get("cut") is not True:  # a daemon that hears no leader serves nothing: not alive to us
             self.detector.heard(node, inc)

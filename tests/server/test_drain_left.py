@@ -163,3 +163,23 @@ def test_a_node_a_new_master_group_does_not_know_registers_there():
         agent._heartbeat()
         assert "Register" in masters.calls
         assert not agent.left
+
+
+def test_a_leader_that_has_not_applied_all_committed_entries_does_not_say_when_its_table_was_born():
+    """A new Raft leader answers before it has applied what its predecessor committed: its table
+    may lack a register the old leader took. Its "unknown node" with the table's born made a live,
+    never-drained node leave for good (a reviewer); it says born 0 (unknown) until it has caught
+    up, and the node registers again."""
+    import threading
+    from types import SimpleNamespace
+
+    from gcache.meta.core import Core
+
+    t = born_table()
+    core = Core.__new__(Core)
+    core.lock, core.table = threading.Lock(), t
+    core.raft = SimpleNamespace(is_leader=True, applied_all_committed=False)
+    reply = core.heartbeat_reply({"node": "n9", "inc": 1})
+    assert reply["reason"] == "unknown node" and reply["born"] == 0
+    core.raft.applied_all_committed = True
+    assert core.heartbeat_reply({"node": "n9", "inc": 1})["born"] == t.born > 0
