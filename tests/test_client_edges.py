@@ -444,3 +444,16 @@ def race_close(cl, threads=16):
     for t in ts:
         t.join(15)
     return outcomes
+
+
+def test_a_call_out_of_time_does_not_turn_the_local_path_off():
+    """A local dial cut short by the call's own deadline was taken for a failure of the local
+    path: every connection to that node went over TCP for 5 s (a reviewer)."""
+    from gcache.client.pool import Pool
+    from gcache.errors import CallTimeout
+
+    pool = Pool(connect_timeout_s=0.5, local=LocalPath.AUTO)
+    with pytest.raises(CallTimeout):
+        pool.get("n0", "127.0.0.1:7000", deadline=time.monotonic() - 0.001)
+    assert pool.is_local("n0", "127.0.0.1:7000")
+    pool.close()

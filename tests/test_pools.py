@@ -142,10 +142,14 @@ def test_a_tail_re_mark_holds_through_the_disk_tier(tiered):
     assert s.put(key, b"v" * 4 * PAGE, pool="swa", pos=3, tail=1) is Status.OK
     _push_out(s, b"a")
     assert key not in s.ram.index and s.nvme.index[key].meta.tail == 1  # on disk only
+    # a disk-only value is promoted to be re-marked when there is room (puts into a full arena
+    # evict only what they need, so the arena is full here: make room)
+    assert s.delete(("ns", b"a19"))
     assert s.exists(key, tail=0)  # re-marked while only on disk: promoted and re-marked
     assert key in s.ram.index and _tail(s, key) == 0
     _push_out(s, b"b")
     assert key not in s.ram.index
+    assert s.delete(("ns", b"b19"))
     assert _tail(s, key) == 0  # promoted again: its disk record has the new mark
     assert s.exists(key, tail=1)  # re-marked in RAM while a copy is on disk
     _push_out(s, b"c")

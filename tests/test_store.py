@@ -406,3 +406,18 @@ def test_a_pooled_batch_counts_its_own_reservations_against_the_pools_budget(tmp
     assert res[:128].count(Status.FULL) == 0 and res[128:] == [Status.FULL, Status.FULL]
     s.abort_many([r for r in res if not isinstance(r, Status)])
     s.close()
+
+
+@pytest.mark.parametrize("value_kib", [16, 128, 256])
+def test_a_large_put_into_a_full_arena_with_a_disk_tier_does_not_empty_it(tiered, value_kib):
+    """The patient eviction was off for values of 1/64 of the arena or more: one 128 KiB put
+    into a full 8 MiB arena still evicted all 64 values (a reviewer)."""
+    size = value_kib * KB
+    s = tiered(mem=8 << 20, disk=64 << 20, pretouch=False)
+    n = (8 << 20) // size
+    for i in range(n):
+        assert s.put(("n", b"k%d" % i), b"x" * size) is Status.OK
+    assert s.flush()
+    before = s.stats().get("evictions", 0)
+    assert s.put(("n", b"new"), b"y" * size) is Status.OK
+    assert s.stats().get("evictions", 0) - before <= 2

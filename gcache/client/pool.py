@@ -98,12 +98,21 @@ class Pool:
         if self.is_local(node, address):
             try:
                 return self._local_connection(node, address, deadline)
+            except CallTimeout:
+                if self.local is LocalPath.FORCE or self._cut_short(deadline):
+                    raise  # the call ran out of time, not the local path: keep it (a reviewer: TCP for 5 s)
+                self._no_local[node] = time.monotonic()
             except GCacheError:
                 if self.local is LocalPath.FORCE:
                     raise
                 self._no_local[node] = time.monotonic()
         return open_connection(node, address, self._connect_budget(node, deadline), self.token, self.transport,
                                check_node=knows_node(node, address))
+
+    def _cut_short(self, deadline: float | None) -> bool:
+        """Whether a connect that timed out now was given less than the connect timeout (the
+        call's deadline came first)."""
+        return deadline is not None and deadline - time.monotonic() < self.connect_timeout_s
 
     def _connect_budget(self, node: str, deadline: float | None) -> float:
         if deadline is None:

@@ -239,7 +239,7 @@ class Store:
                 out.append(Status.FULL)
                 continue
             while True:
-                patient = not deadline or time.monotonic() < deadline - wait / 2
+                patient = wait > 0 and (not deadline or time.monotonic() < deadline - wait / 2)
                 off = self._make_room(size, group, reserved, patient)
                 if off is not None:
                     out.append(Reservation(off, size, self.arena.slot(off, size), group))
@@ -424,7 +424,9 @@ class Store:
                 if self.config.promote_on_hit:
                     pool = loc.meta.pool
                     group = self._group((key[0], pool)) if pool is not None else None
-                    off = self._make_room(loc.size, group, patient=True)  # no flush of RAM for a read
+                    # a read does not flush RAM to promote (it can be served from a buffer); a re-mark
+                    # (promote_only) has no other way to keep its mark
+                    off = self._make_room(loc.size, group, patient=not promote_only)
                 if off is not None or promote_only or self._read_held + held <= self.read_budget:
                     break
                 now = time.monotonic()
@@ -696,11 +698,13 @@ class Store:
         if not self._room_possible(size, group):
             return None  # FULL, without evicting values for a put that could not fit anyway
         need = aligned(size)
-        patient = patient and self._demoter is not None and need * ROOM_CHECK_SHARE < alloc.capacity
+        # (not when the queue is full: victims beyond it are dropped and free their slots at once)
+        patient = patient and self._demoter is not None
+        cap = self.config.demote_queue_bytes
         sources = [self.ram.victims()] if group is None else [self.ram.victims(), group.victims()]
         for victims in sources:
             for key, entry in victims:
-                if patient and self._queue_bytes >= need:
+                if patient and need <= self._queue_bytes and self._queue_bytes + entry.size <= cap:
                     return None
                 self._evict(key, entry)
                 off = alloc.alloc(size)
