@@ -428,6 +428,10 @@ class RedisState(RouterState):
                 n = ops[i + 3]
                 self._missed.append((ops[i + 1], tuple(ops[i + 4 : i + 4 + n])))
                 i += 4 + n
+            elif kind == "R":  # a record replayed after a resync (_try_resync): kept again
+                n = ops[i + 2]
+                self._missed.append((ops[i + 1], tuple(ops[i + 3 : i + 3 + n])))
+                i += 3 + n
             elif kind == "Q":
                 self._heads_dirty = True
                 i += 3 + 2 * cast(int, ops[i + 2])

@@ -121,3 +121,17 @@ def test_a_cancelled_resync_loses_nothing(redis_proc):
             if rc is not None:
                 await rc.aclose()
     asyncio.run(main())
+
+
+def test_records_replayed_after_a_resync_are_kept_again_when_their_batch_fails():
+    """A batch carrying records replayed after a resync ("R") that failed raised KeyError in
+    _keep_records, inside _run_batch's error handling, before the batch's futures were resolved:
+    every request awaiting it hung (a reviewer)."""
+    from collections import deque
+
+    from router.state_redis import RedisState
+
+    s = RedisState.__new__(RedisState)
+    s._missed, s._heads_dirty = deque(), False
+    s._keep_records(["R", "w1", 2, 11, 12, "D", "w1", 1, 5, "A", "w2", 9, 1, 7])
+    assert list(s._missed) == [("w1", (11, 12)), ("w2", (7,))]
