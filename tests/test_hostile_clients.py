@@ -513,3 +513,50 @@ def test_connections_that_stall_in_big_metadata_cannot_take_the_metadata_budget(
     assert daemon_stats(addr)["meta_budget_held"] <= 8 * MiB
     for s in socks:
         s.close()
+
+
+def test_concurrent_requests_with_large_metadata_are_served_in_turn_not_refused():
+    """Metadata over 256 KiB was drawn on the budget a step at a time: sixteen ~500 KiB requests
+    against a 4 MiB budget each held one step and waited for the next until the frame timeout,
+    then were refused BUSY (a reviewer). Up to 1/8 of the budget it is taken whole: they are
+    served in turn."""
+    import socket
+    import threading
+
+    from gcache.server.admission import AdmissionConfig, MetaBudget
+    from gcache.server.framing import FrameReader, Refused
+
+    n = 16
+    keys = [b"k" * 114 + b"%06d" % i for i in range(4096)]
+    meta = P.encode_meta({"ns": "n", "keys": keys})
+    assert 256 << 10 < len(meta) <= 512 << 10
+    cfg = AdmissionConfig(meta_budget=4 << 20, frame_timeout_s=3.0)
+    budget = MetaBudget(cfg.meta_budget)
+    pairs = [socket.socketpair() for _ in range(n)]
+    results = [None] * n
+
+    def serve(i):
+        reader = FrameReader(pairs[i][0], cfg, budget)
+        try:
+            reader.read_meta(P.Op.GET, len(meta), True)
+            results[i] = "ok"
+        except (Refused, OSError) as exc:
+            results[i] = repr(exc)
+        finally:
+            reader.done()
+
+    try:
+        for _, b in pairs:
+            b.sendall(meta[:100 << 10])  # every request has begun
+        threads = [threading.Thread(target=serve, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for _, b in pairs:
+            threading.Thread(target=b.sendall, args=(meta[100 << 10:],), daemon=True).start()
+        for t in threads:
+            t.join(10)
+        assert results == ["ok"] * n, results
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

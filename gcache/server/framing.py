@@ -2,14 +2,15 @@
 
 Nothing is allocated for what a peer merely declares: metadata up to SMALL_META bytes lands in
 a per-connection buffer (1 KiB, grown once to SMALL_META when needed), larger metadata is
-allocated against the global MetaBudget. Up to META_STEP bytes it is taken from the budget
-whole before it is received; above, it is received into an anonymous mapping whose pages exist
-only once bytes arrive (returned when the request ends), and drawn from the budget one
-META_STEP at a time as it arrives: a request holds at most what it has sent plus one step, so
-connections that declare big metadata and stall cannot take the budget from the others (it
-would take budget / META_STEP of them, 256 with the defaults, each holding a connection slot).
-Requests that between them have more metadata in flight than the budget may wait on each other
-until the frame timeout (then BUSY). Before HELLO only a HELLO of at most PRE_AUTH_META_BYTES is read. A frame
+allocated against the global MetaBudget. Up to 1/WHOLE_SHARE of the budget it is taken from the
+budget whole before it is received (so such requests never hold part of it while waiting for
+more); above, it is received into an anonymous mapping whose pages exist only once bytes arrive
+(returned when the request ends), and drawn from the budget one META_STEP at a time as it
+arrives: a request holds at most what it has sent plus one step, so connections that declare
+very big metadata and stall cannot take the budget from the others. Such requests that between
+them have more metadata in flight than the budget may wait on each other until the frame
+timeout (then BUSY); 8 connections declaring 1/8 of the budget each and stalling hold it all
+until their frame timeout. Before HELLO only a HELLO of at most PRE_AUTH_META_BYTES is read. A frame
 that has begun must be complete within ``frame_timeout_s``; an idle, unauthenticated connection
 is closed after ``handshake_timeout_s``. Waiting for the next frame of an authenticated
 connection is unbounded (pooled clients keep idle connections).
@@ -34,6 +35,8 @@ limited = RateLimitedLog(log)
 SMALL_META = 16 << 10  # per-connection metadata buffer at most; larger metadata draws on the budget
 META_STEP = 256 << 10  # metadata above this is received into an anonymous mapping, and budgeted step by step
 MAPPED_META = META_STEP
+WHOLE_SHARE = 8  # metadata up to 1/8 of the budget is budgeted whole (8 MiB of the default 64 MiB: any
+# request of a gcache client, whose requests carry at most 4,096 keys)
 MAX_META_ITEMS = 8 * P.MAX_BATCH_KEYS  # array items and map fields in one request, in all
 
 
@@ -131,8 +134,13 @@ class FrameReader:
         view = memoryview(buf)
         try:
             got = 0
-            while got < meta_len:  # draw on the budget as the metadata arrives, a step at a time
-                step = min(META_STEP, meta_len - got)
+            # up to a WHOLE_SHARE of the budget a request takes its whole metadata's worth at once
+            # (requests that each hold part and wait for more can wait on each other until all are
+            # refused BUSY, a reviewer); above that it draws on the budget as the metadata
+            # arrives, a step at a time, so a stalled one holds what it sent plus one step
+            whole = meta_len <= self.budget.limit // WHOLE_SHARE
+            while got < meta_len:
+                step = meta_len if whole else min(META_STEP, meta_len - got)
                 if not self.budget.acquire(step, deadline - time.monotonic()):
                     raise self._busy(meta_len)
                 self._held += step
