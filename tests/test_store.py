@@ -421,3 +421,20 @@ def test_a_large_put_into_a_full_arena_with_a_disk_tier_does_not_empty_it(tiered
     before = s.stats().get("evictions", 0)
     assert s.put(("n", b"new"), b"y" * size) is Status.OK
     assert s.stats().get("evictions", 0) - before <= 2
+
+
+def test_a_disk_hit_larger_than_the_whole_read_budget_is_a_miss_at_once(tiered):
+    """It can never get the budget: it waited read_wait_s (1 s) for every request, then missed
+    (a reviewer)."""
+    import time
+
+    s = tiered(mem=64 * KB, disk=4 << 20, pretouch=False, promote_on_hit=False, read_buffer_bytes=16 * KB)
+    assert s.put(("n", b"big"), b"b" * 32 * KB) is Status.OK
+    assert s.put(("n", b"small"), b"s" * 8 * KB) is Status.OK
+    for i in range(8):  # push both out to disk
+        assert s.put(("n", b"f%d" % i), b"f" * 8 * KB) is Status.OK
+    assert s.flush() and ("n", b"big") not in s.ram.index
+    t0 = time.monotonic()
+    assert read(s, ("n", b"big")) is None
+    assert time.monotonic() - t0 < 0.5
+    assert read(s, ("n", b"small")) == b"s" * 8 * KB  # one that fits is still read

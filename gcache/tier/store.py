@@ -430,7 +430,7 @@ class Store:
                 if off is not None or promote_only or self._read_held + held <= self.read_budget:
                     break
                 now = time.monotonic()
-                if wait_until is None or now >= wait_until or self._closed:
+                if wait_until is None or now >= wait_until or self._closed or held > self.read_budget:
                     self.counters["misses"] += 1
                     self.counters["disk_reads_refused"] += 1
                     refused = True
