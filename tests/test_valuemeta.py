@@ -65,7 +65,9 @@ def test_a_pooled_value_keeps_its_record_through_disk_promotion_and_restart(tier
     for i in range(8):
         assert s.put((NS, b"f%d" % i), b"f" * 10 * KB) is Status.OK  # untagged pressure: not the pool's
     for i in range(8):
-        assert s.put((NS, b"g%d" % i), b"g" * 10 * KB, pool="kv") is Status.OK  # the pool's own pressure
+        # the pool's own pressure: restore points too (a put evicts only what it needs, and a pool
+        # evicts its interior pages before any restore point)
+        assert s.put((NS, b"g%d" % i), b"g" * 10 * KB, pool="kv", tail=1) is Status.OK
     assert s.flush() and k not in s.ram.index and s.nvme.contains(k)  # demoted
     assert same(s.nvme.index[k].value_meta(time.time()), "kv", 5, 1, 42, 300)
     assert same(meta_of(s, k), "kv", 5, 1, 42, 300)  # read from disk (promoted, or not if no room yet)
