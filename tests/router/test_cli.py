@@ -14,6 +14,30 @@ from tests.router.conftest import free_port, poll, serve_app
 from tests.router.fakeworker import FakeWorker
 
 
+async def started_router(session, *args, stderr=subprocess.DEVNULL):
+    """A ``router serve`` process on a free port with ``args``, once it listens (or has exited:
+    the caller asserts on proc.poll()): (process, base URL). The caller stops it by PID."""
+    port = free_port()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, stopped by PID by the caller
+        [sys.executable, "-m", "router", "serve", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL, stderr=stderr)
+    url = f"http://127.0.0.1:{port}"
+
+    async def up():
+        try:
+            async with session.get(url + "/health") as r:
+                return r.status == 200
+        except aiohttp.ClientConnectionError:
+            return proc.poll() is not None  # exited: stop polling, the caller asserts
+    try:
+        await poll(up, timeout=20, what="router process listening")
+    except BaseException:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        raise
+    return proc, url
+
+
 def test_help_exits_zero():
     for args in (["--help"], ["serve", "--help"], ["sim", "--help"]):
         r = subprocess.run([sys.executable, "-m", "router", *args], check=False, capture_output=True, text=True, timeout=30)
@@ -47,20 +71,10 @@ def test_a_full_queue_of_max_queue_requests_refuses_the_next_at_once():
     async def main():
         fake = FakeWorker("w0")
         async with serve_app(fake.app()) as wurl, aiohttp.ClientSession() as s:
-            port = free_port()
-            proc = subprocess.Popen(  # noqa: ASYNC220 - started once, stopped by PID below
-                [sys.executable, "-m", "router", "serve", "--port", str(port), "--worker", f"{wurl},max_inflight=1",
-                 "--max-queue", "1", "--max-wait", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            url = f"http://127.0.0.1:{port}"
+            proc, url = await started_router(s, "--worker", f"{wurl},max_inflight=1", "--max-queue", "1",
+                                             "--max-wait", "30")
             held = []
             try:
-                async def up():
-                    try:
-                        async with s.get(url + "/health") as r:
-                            return r.status == 200
-                    except aiohttp.ClientConnectionError:
-                        return proc.poll() is not None
-                await poll(up, timeout=20, what="router process listening")
                 assert proc.poll() is None
                 held.append(asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "a", "hold": True})))
                 await poll(lambda: fake.active == 1, what="one request at the worker")
@@ -95,22 +109,11 @@ def test_serve_process_routes_requests():
     async def main():
         fake = FakeWorker("w0")
         async with serve_app(fake.app()) as wurl, aiohttp.ClientSession() as s:
-            port = free_port()
-            proc = subprocess.Popen(  # noqa: ASYNC220 - started once, stopped by PID below
-                [sys.executable, "-m", "router", "serve", "--port", str(port), "--worker", wurl,
-                 "--state", "memory", "--log-level", "INFO"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            )
+            proc, url = await started_router(s, "--worker", wurl, "--state", "memory", "--log-level", "INFO",
+                                             stderr=subprocess.PIPE)
             try:
-                async def up():
-                    try:
-                        async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                            return r.status == 200
-                    except aiohttp.ClientConnectionError:
-                        return proc.poll() is not None  # exited: stop polling, assert below
-                await poll(up, timeout=20, what="router process listening")
                 assert proc.poll() is None, proc.stderr.read().decode()
-                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hello"}) as r:
+                async with s.post(f"{url}/v1/completions", json={"prompt": "hello"}) as r:
                     assert r.status == 200 and (await r.json())["worker"] == "w0"
             finally:
                 os.kill(proc.pid, signal.SIGTERM)
